@@ -1,0 +1,43 @@
+# The two commands of the README. Both create .venv and install the package into it first.
+#   make demo   tiny Llama on the real 2-process DeepSpeed ZeRO-3 path, on the CPU (~5 min)
+#   make test   lint + the whole test suite (~5 min on 2 cores)
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Without CUDA, pip would satisfy torch>=2.10 with a multi-GB CUDA build; 2.13.0 resolves to the
+# CPU build these machines carry. With a GPU, leave TORCH empty and pip picks the CUDA build.
+TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,torch==2.13.0)
+DEMO ?= outputs/demo
+# DeepSpeed would otherwise look for CUDA; this Makefile's runs are CPU runs.
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: install demo test lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(if $(TORCH),$(BIN)/python -m pip install --quiet "$(TORCH)")
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/python -m data_prep.demo_corpus --output $(DEMO)/data --train-mb 6 --validation-mb 0.5
+	$(BIN)/python -m data_prep.train_tokenizer --input $(DEMO)/data/train.jsonl --vocab-size 2048 \
+		--output $(DEMO)/tokenizer
+	rm -rf $(DEMO)/run
+	$(BIN)/accelerate launch --config_file accelerate_configs/zero3_cpu.yaml recipes/pretrain.py \
+		--config recipes/configs/tiny_cpu.yaml --output_dir $(DEMO)/run
+	$(BIN)/python -m recipes.summarize $(DEMO)/run
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

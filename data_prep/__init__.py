@@ -1,0 +1,1 @@
+"""Tokenizer training, offline corpus preprocessing and the streaming tokenize-and-pack pipeline."""

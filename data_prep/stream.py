@@ -1,0 +1,62 @@
+"""Streaming tokenize-and-pack: raw text files in, rows of exactly `seq_len` token ids out.
+
+Sharding is by document: document i of the concatenated inputs belongs to shard
+`i % num_shards`, one shard per (rank, dataloader worker). Every shard reads the file list but
+tokenizes only its own documents, so shards are disjoint and together cover the corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from data_prep.packing import pack_documents
+from data_prep.readers import iter_source_texts
+
+TOKENIZE_BATCH_DOCS = 256
+
+
+def shard_documents(sources: list[str], text_field: str, shard: int, num_shards: int) -> Iterator[str]:
+    index = 0
+    for source in sources:
+        for text in iter_source_texts(source, text_field):
+            if index % num_shards == shard:
+                yield text
+            index += 1
+
+
+def tokenize_in_batches(texts: Iterator[str], tokenizer, batch_docs: int = TOKENIZE_BATCH_DOCS) -> Iterator[list[int]]:
+    """Token ids per document; batched calls let the fast tokenizer use its Rust threads."""
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == batch_docs:
+            yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
+            batch = []
+    if batch:
+        yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
+
+
+class PackedTextStream(IterableDataset):
+    """Rows `{"input_ids": LongTensor[seq_len]}` for one rank, split further over dataloader workers."""
+
+    def __init__(self, sources, tokenizer, seq_len: int, *, rank: int = 0, world_size: int = 1, text_field="text"):
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no EOS token; packing needs one between documents")
+        self.sources = list(sources)
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.rank = rank
+        self.world_size = world_size
+        self.text_field = text_field
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        shard = self.rank * num_workers + worker
+        texts = shard_documents(self.sources, self.text_field, shard, self.world_size * num_workers)
+        documents = tokenize_in_batches(texts, self.tokenizer)
+        for row in pack_documents(documents, self.seq_len, self.tokenizer.eos_token_id):
+            yield {"input_ids": torch.tensor(row, dtype=torch.long)}

@@ -1,0 +1,66 @@
+"""Train a byte-level BPE tokenizer and save it as a Hugging Face fast tokenizer.
+
+    python -m data_prep.train_tokenizer --input corpus.jsonl --vocab-size 16000 --output tokenizer/
+
+Byte-level means every byte has a token, so no input is ever out of vocabulary. The saved
+directory loads with `AutoTokenizer.from_pretrained` and has an EOS token, which packing puts
+after every document. `--vocab-size` counts the special tokens, so `len(tokenizer)` equals it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from data_prep.readers import iter_texts, resolve_sources
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+
+
+def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", nargs="+", required=True, help="jsonl / parquet / txt files (optionally .gz)")
+    parser.add_argument("--vocab-size", type=int, required=True, help="vocabulary size including special tokens")
+    parser.add_argument("--output", required=True, help="directory to save the tokenizer in")
+    parser.add_argument("--text-field", default="text", help="field holding the text in jsonl/parquet")
+    parser.add_argument("--max-documents", type=int, default=None, help="train on the first N documents only")
+    args = parser.parse_args(argv)
+    if args.vocab_size < 258:
+        parser.error(f"--vocab-size {args.vocab_size} is too small: 256 byte tokens + 2 special tokens is the minimum")
+    try:
+        sources = resolve_sources(args.input, "--input")
+    except (FileNotFoundError, ValueError) as error:
+        parser.error(str(error))
+    texts = itertools.chain.from_iterable(iter_texts(path, args.text_field) for path in sources)
+    if args.max_documents is not None:
+        texts = itertools.islice(texts, args.max_documents)
+    tokenizer = train_tokenizer(texts, args.vocab_size)
+    Path(args.output).mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(args.output)
+    print(f"saved a {len(tokenizer)}-token byte-level BPE tokenizer to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The pretraining recipe: config, preflight, model, loop, checkpoints, export."""

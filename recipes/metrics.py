@@ -1,0 +1,106 @@
+"""Run metrics: throughput, MFU, memory, and the writers (console, metrics.jsonl, TensorBoard, loss.png).
+
+Only the main process writes; every function that needs numbers from all ranks takes them
+already reduced.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+
+def tokens_per_second(tokens_all_ranks: int, seconds: float) -> float:
+    """Real tokens consumed by all ranks together over a wall-clock duration."""
+    return tokens_all_ranks / seconds if seconds > 0 else 0.0
+
+
+def model_flops_utilization(
+    tokens_per_s: float, flops_per_token: float, world_size: int, peak_tflops_per_device: float | None
+) -> float | None:
+    if not peak_tflops_per_device:
+        return None
+    return tokens_per_s * flops_per_token / (world_size * peak_tflops_per_device * 1e12)
+
+
+def host_memory_gb() -> float:
+    """Resident memory of this process now."""
+    return psutil.Process().memory_info().rss / 1e9
+
+
+def peak_host_memory_gb() -> float:
+    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
+
+
+def peak_gpu_memory_gb() -> float | None:
+    """Peak CUDA memory allocated by this process; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated() / 1e9
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, output_dir: str | Path, enabled: bool):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.tensorboard = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **values}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.tensorboard.add_scalar(key, value, step)
+        self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_losses(metrics_path: str | Path, output_png: str | Path) -> None:
+    """Training loss per logged step, and eval_loss where it was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(output_png, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,135 @@
+"""Model construction: Llama config, attention choice, partitioned init, checkpointing, optimizer groups."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from recipes.config import PretrainConfig
+
+
+def choose_attn_implementation(requested: str, *, cuda_available: bool, flash_attn_installed: bool) -> tuple[str, str]:
+    """The attention kernel to use and why: flash-attn needs both the package and a CUDA device."""
+    if requested != "flash_attention_2":
+        return requested, f"{requested} requested"
+    if not cuda_available:
+        return "sdpa", "flash_attention_2 requested but no CUDA device is visible; using sdpa"
+    if not flash_attn_installed:
+        return "sdpa", "flash_attention_2 requested but flash-attn is not installed (pip install '.[gpu]'); using sdpa"
+    return "flash_attention_2", "flash_attention_2 requested; flash-attn and CUDA are present"
+
+
+def detect_attn_implementation(requested: str) -> tuple[str, str]:
+    return choose_attn_implementation(
+        requested,
+        cuda_available=torch.cuda.is_available(),
+        flash_attn_installed=importlib.util.find_spec("flash_attn") is not None,
+    )
+
+
+def llama_config(config: PretrainConfig, tokenizer_size: int) -> LlamaConfig:
+    """The model shape: `model_config` from the recipe, or the config of `model_name_or_path`."""
+    if config.model_name_or_path:
+        model_config = AutoConfig.from_pretrained(config.model_name_or_path)
+        for key, value in config.model_config.items():
+            setattr(model_config, key, value)
+    else:
+        values: dict[str, Any] = {"vocab_size": tokenizer_size, **config.model_config}
+        model_config = LlamaConfig(**values)
+    model_config.use_cache = False
+    return model_config
+
+
+def build_model(config: PretrainConfig, model_config, attn_implementation: str, dtype: torch.dtype):
+    """From scratch or from a local checkpoint. Under accelerate's `zero3_init_flag` transformers builds
+    it inside `deepspeed.zero.Init`, so every parameter is partitioned as it is created."""
+    if config.model_name_or_path:
+        return AutoModelForCausalLM.from_pretrained(
+            config.model_name_or_path, config=model_config, attn_implementation=attn_implementation, dtype=dtype
+        )
+    return AutoModelForCausalLM.from_config(model_config, attn_implementation=attn_implementation, dtype=dtype)
+
+
+def enable_chunked_checkpointing(model: torch.nn.Module, layers_per_checkpoint: int) -> int:
+    """Recompute decoder layers in chunks of `layers_per_checkpoint`, storing one hidden state per chunk.
+
+    transformers checkpoints every layer on its own; the SPEC asks for a checkpoint every 2 layers
+    (80 layers: 40 stored hidden states of 2048 x 8192 x 2 B = 34 MB per sequence each). The first
+    layer of a chunk runs the whole chunk under `torch.utils.checkpoint`; the others become
+    pass-throughs when called by the model's own loop. Calling them through `forward` skips only
+    the decoder layer's own hooks: it owns no parameters, so ZeRO-3 still gathers each submodule's.
+    Returns the number of checkpoints.
+    """
+    layers = model.model.layers
+    chunks = [list(layers[i : i + layers_per_checkpoint]) for i in range(0, len(layers), layers_per_checkpoint)]
+    for chunk in chunks:
+        head, tail = chunk[0], chunk[1:]
+        real_forwards = [type(layer).forward.__get__(layer) for layer in chunk]
+
+        def run_chunk(hidden_states, *args, _forwards=tuple(real_forwards), **kwargs):
+            for forward in _forwards:
+                hidden_states = forward(hidden_states, *args, **kwargs)
+            return hidden_states
+
+        def head_forward(hidden_states, *args, _run=run_chunk, _head=head, **kwargs):
+            if _head.training and torch.is_grad_enabled():
+                return checkpoint(_run, hidden_states, *args, use_reentrant=False, **kwargs)
+            return _run(hidden_states, *args, **kwargs)
+
+        head.forward = head_forward
+        for layer in tail:
+            layer.forward = _pass_through
+    return len(chunks)
+
+
+def _pass_through(hidden_states, *args, **kwargs):
+    return hidden_states
+
+
+def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay only matrices: norms and biases (anything 1-D) keep weight_decay 0.
+
+    Under ZeRO-3 local tensors are empty partitions, so the shape comes from `ds_shape`."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shape = getattr(param, "ds_shape", param.shape)
+        (no_decay if len(shape) < 2 or name.endswith(".bias") else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: torch.nn.Module, config: PretrainConfig, offload_optimizer: bool) -> torch.optim.Optimizer:
+    """AdamW with the recipe's values. With the optimizer offloaded, DeepSpeed's CPU Adam (vectorised C++)
+    runs the update on the host; torch's AdamW there would be several times slower."""
+    groups = optimizer_param_groups(model, config.weight_decay)
+    kwargs = {"lr": config.learning_rate, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_epsilon}
+    if offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, fused=torch.cuda.is_available(), **kwargs)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """All parameters, including those ZeRO-3 has partitioned away from this rank."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def local_parameter_elements(model: torch.nn.Module) -> int:
+    """Elements this rank holds; near 1/world of the total after partitioned init."""
+    return sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters())
+
+
+def training_flops_per_token(num_params: int, num_layers: int, seq_len: int, hidden_size: int) -> float:
+    """6N for the matmuls forward and backward plus 12·L·s·h for attention scores (PaLM appendix B).
+
+    Recomputation is not counted: MFU measures useful work, not work done twice."""
+    return 6.0 * num_params + 12.0 * num_layers * seq_len * hidden_size

@@ -1,0 +1,364 @@
+"""Pretrain a Llama-style model with Accelerate and DeepSpeed ZeRO-3.
+
+    accelerate launch --config_file accelerate_configs/zero3_8gpu.yaml recipes/pretrain.py \
+        --config recipes/configs/llama70b_a800x8.yaml [--key value ...]
+
+Reads in the order of the run: config -> distributed setup -> preflight -> data -> model ->
+training loop -> export. Mechanisms live in the modules it imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by `accelerate launch recipes/pretrain.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from data_prep.readers import resolve_sources
+from data_prep.stream import PackedTextStream
+from recipes import checkpointing, deepspeed_config, metrics
+from recipes.config import ConfigError, PretrainConfig, load_config, validate_against_model, validate_for_world
+from recipes.model import (
+    build_model,
+    build_optimizer,
+    count_parameters,
+    detect_attn_implementation,
+    enable_chunked_checkpointing,
+    llama_config,
+    local_parameter_elements,
+    training_flops_per_token,
+)
+from recipes.schedule import lr_at_step
+from recipes.validation import load_validation_rows, validation_loss
+
+logger = logging.getLogger("pretrain")
+
+
+def parse_args(argv: list[str] | None = None) -> PretrainConfig:
+    parser = argparse.ArgumentParser(description="Pretrain a Llama-style model with DeepSpeed ZeRO-3.")
+    parser.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/configs/tiny_cpu.yaml")
+    args, overrides = parser.parse_known_args(argv)
+    return load_config(args.config, overrides)
+
+
+def setup_distributed(config: PretrainConfig):
+    """The Accelerator, with the DeepSpeed JSON's recipe-owned values filled from the recipe."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DeepSpeedPlugin
+
+    if not torch.cuda.is_available():
+        # Without CUDA accelerate finds no backend and every rank believes it is rank 0 of 1,
+        # while DeepSpeed runs 2: sharding, logging and saving would silently go wrong.
+        PartialState(backend="gloo")
+    ds_path = deepspeed_config.launched_config_path()
+    if ds_path is None:
+        raise ConfigError(
+            "no DeepSpeed config: launch with `accelerate launch --config_file accelerate_configs/<file>.yaml "
+            "recipes/pretrain.py --config ...` (the accelerate config names the ZeRO-3 JSON)"
+        )
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_for_world(config, world_size)
+    ds_config = deepspeed_config.resolve_deepspeed_config(
+        deepspeed_config.load_deepspeed_json(ds_path), config, world_size
+    )
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=deepspeed_config.zero3_init_requested())
+    accelerator = Accelerator(
+        deepspeed_plugin=plugin,
+        mixed_precision="bf16" if config.bf16 else "fp16" if config.fp16 else "no",
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+    )
+    if accelerator.num_processes != world_size:
+        raise RuntimeError(f"accelerate sees {accelerator.num_processes} processes but WORLD_SIZE is {world_size}")
+    return accelerator, ds_config
+
+
+def configure_logging(accelerator) -> None:
+    level = logging.INFO if accelerator.is_main_process else logging.WARNING
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level, force=True)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed calls torch's deprecated collective names on every step; one warning per call floods the log.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+
+
+def preflight(config: PretrainConfig, accelerator):
+    """Everything that can be wrong with the inputs, checked before the model costs anything."""
+    train_sources = resolve_sources(config.train_files, "train_files")
+    validation_sources = resolve_sources(config.validation_files, "validation_files")
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name_or_path)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"tokenizer {config.tokenizer_name_or_path} has no EOS token; packing needs one")
+    model_config = llama_config(config, len(tokenizer))
+    validate_against_model(
+        config,
+        vocab_size=model_config.vocab_size,
+        tokenizer_size=len(tokenizer),
+        max_positions=model_config.max_position_embeddings,
+    )
+    attn_implementation, reason = detect_attn_implementation(config.attn_implementation)
+    logger.info("attention: %s (%s)", attn_implementation, reason)
+    total_steps = config.total_steps(accelerator.num_processes)
+    global_batch = config.resolved_global_batch_size(accelerator.num_processes)
+    logger.info(
+        "plan: %d optimizer steps x %d rows x %d tokens = %.4g tokens; warmup %d steps (%.2f%% of training)",
+        total_steps,
+        global_batch,
+        config.max_seq_length,
+        total_steps * global_batch * config.max_seq_length,
+        config.warmup_steps,
+        100 * config.warmup_steps / total_steps,
+    )
+    return tokenizer, model_config, attn_implementation, train_sources, validation_sources
+
+
+def build_train_loader(config: PretrainConfig, sources: list[str], tokenizer, accelerator) -> DataLoader:
+    stream = PackedTextStream(
+        sources,
+        tokenizer,
+        config.max_seq_length,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+        text_field=config.text_field,
+    )
+    # Not passed to accelerator.prepare: the stream shards by rank itself, and accelerate's
+    # dispatching would shard it a second time.
+    return DataLoader(
+        stream,
+        batch_size=config.per_device_train_batch_size,
+        num_workers=config.dataloader_num_workers,
+        pin_memory=config.dataloader_pin_memory and torch.cuda.is_available(),
+        drop_last=True,
+    )
+
+
+class EpochBatches:
+    """Micro-batches over `num_train_epochs` passes; counts the rows this rank consumed."""
+
+    def __init__(self, loader: DataLoader, num_epochs: int):
+        self.loader = loader
+        self.num_epochs = num_epochs
+        self.epoch = 0
+        self.rows_consumed = 0
+        self._iterator = iter(loader)
+
+    def take(self, count: int) -> list[torch.Tensor] | None:
+        """`count` micro-batches, or None when this rank has no more data."""
+        batches = []
+        while len(batches) < count:
+            try:
+                batch = next(self._iterator)["input_ids"]
+            except StopIteration:
+                self.epoch += 1
+                if self.epoch >= self.num_epochs:
+                    return None
+                self._iterator = iter(self.loader)
+                continue
+            batches.append(batch)
+        self.rows_consumed += sum(len(b) for b in batches)
+        return batches
+
+
+def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochBatches, tokenizer, hooks) -> dict:
+    """The optimizer-step loop. Every rank runs the same number of steps and the same collectives."""
+    world_size = accelerator.num_processes
+    total_steps = config.total_steps(world_size)
+    min_lr = float(config.lr_scheduler_kwargs.get("min_lr", 0.0))
+    writer = metrics.MetricsWriter(config.output_dir, enabled=accelerator.is_main_process)
+    progress = tqdm(total=total_steps, disable=not accelerator.is_main_process, desc="train", unit="step")
+    window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, micro-batches, tokens
+    window_seconds = 0.0
+    best_eval_loss, evaluations_without_improvement = float("inf"), 0
+    step, stop_reason = 0, "max_steps"
+    model.train()
+    while step < total_steps:
+        micro_batches = batches.take(config.gradient_accumulation_steps)
+        # Ranks hold different shares of the data; stop all of them as soon as one runs dry.
+        exhausted = torch.tensor([micro_batches is None], dtype=torch.float32, device=accelerator.device)
+        if accelerator.reduce(exhausted, reduction="sum").item() > 0:
+            stop_reason = "end of data"
+            break
+
+        started = time.perf_counter()
+        lr = lr_at_step(
+            step,
+            learning_rate=config.learning_rate,
+            warmup_steps=config.warmup_steps,
+            total_steps=total_steps,
+            lr_scheduler_type=config.lr_scheduler_type,
+            min_lr=min_lr,
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for index, input_ids in enumerate(micro_batches):
+            # DeepSpeed scales the loss by 1/accumulation and steps the optimizer on the boundary.
+            accelerator.sync_gradients = index == len(micro_batches) - 1
+            input_ids = input_ids.to(accelerator.device, non_blocking=True)
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            accelerator.backward(loss)
+            window[0] += loss.detach().double()
+            window[1] += 1
+            window[2] += input_ids.numel()
+        step += 1
+        window_seconds += time.perf_counter() - started
+        progress.update(1)
+
+        if step % config.logging_steps == 0 or step == total_steps:
+            record = log_window(config, accelerator, model, window, window_seconds, lr, hooks["flops_per_token"])
+            writer.write(step, record)
+            progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            window.zero_()
+            window_seconds = 0.0
+
+        if hooks["validation_rows"] is not None and (step % config.eval_steps == 0 or step == total_steps):
+            eval_loss = validation_loss(model, accelerator, hooks["validation_rows"], config.per_device_eval_batch_size)
+            writer.write(step, {"eval_loss": eval_loss})
+            logger.info("step %d: eval_loss %.4f", step, eval_loss)
+            # eval_loss is all-reduced, so every rank takes the same early-stopping decision.
+            if eval_loss < best_eval_loss - config.early_stopping_threshold:
+                best_eval_loss, evaluations_without_improvement = eval_loss, 0
+            else:
+                evaluations_without_improvement += 1
+            if config.early_stopping_patience and evaluations_without_improvement >= config.early_stopping_patience:
+                stop_reason = (
+                    f"early stopping: no eval_loss improvement in {evaluations_without_improvement} evaluations"
+                )
+                hooks["save"](step)
+                break
+
+        if step % config.save_steps == 0 or step == total_steps:
+            hooks["save"](step)
+    progress.close()
+    writer.close()
+    return {"steps": step, "stop_reason": stop_reason, "best_eval_loss": best_eval_loss}
+
+
+def log_window(config, accelerator, model, window, window_seconds, lr, flops_per_token) -> dict:
+    """Metrics over the steps since the last log, reduced over ranks (a collective on every rank)."""
+    totals = accelerator.reduce(window.clone(), reduction="sum")
+    memory = torch.tensor(
+        [metrics.peak_host_memory_gb(), metrics.peak_gpu_memory_gb() or 0.0], device=accelerator.device
+    )
+    memory = accelerator.reduce(memory, reduction="max") if accelerator.num_processes > 1 else memory
+    seconds = accelerator.reduce(torch.tensor([window_seconds], device=accelerator.device), reduction="max").item()
+    tokens_per_s = metrics.tokens_per_second(int(totals[2].item()), seconds)
+    grad_norm = model.get_global_grad_norm()
+    record = {
+        "loss": totals[0].item() / totals[1].item(),
+        "lr": lr,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens_per_s": tokens_per_s,
+        "mfu": metrics.model_flops_utilization(
+            tokens_per_s, flops_per_token, accelerator.num_processes, config.peak_tflops_per_device
+        ),
+        "peak_host_memory_gb": memory[0].item(),
+    }
+    if torch.cuda.is_available():
+        record["peak_gpu_memory_gb"] = memory[1].item()
+    logger.info(
+        "loss %.4f | lr %.3g | grad_norm %.3f | %.0f tokens/s | MFU %s | host %.2f GB",
+        record["loss"],
+        lr,
+        record["grad_norm"] or float("nan"),
+        tokens_per_s,
+        "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%",
+        record["peak_host_memory_gb"],
+    )
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    run_started = time.perf_counter()
+    try:
+        config = parse_args(argv)
+        accelerator, ds_config = setup_distributed(config)
+        configure_logging(accelerator)
+        tokenizer, model_config, attn_implementation, train_sources, validation_sources = preflight(config, accelerator)
+    except (ConfigError, FileNotFoundError, ValueError) as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    output_dir = Path(config.output_dir)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        checkpointing.write_resolved_config(output_dir, config.to_dict())
+        (output_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, default=str))
+    from accelerate.utils import set_seed
+
+    set_seed(config.seed)
+
+    batches = EpochBatches(build_train_loader(config, train_sources, tokenizer, accelerator), config.num_train_epochs)
+    validation_rows = None
+    if validation_sources:
+        validation_rows = load_validation_rows(
+            validation_sources, tokenizer, config.max_seq_length, config.text_field, config.max_eval_samples
+        )
+        logger.info("validation: %d rows of %d tokens", len(validation_rows), config.max_seq_length)
+
+    dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
+    model = build_model(config, model_config, attn_implementation, dtype)
+    num_params = count_parameters(model)
+    logger.info(
+        "model: %.4g parameters; this rank holds %d elements after partitioned init",
+        num_params,
+        local_parameter_elements(model),
+    )
+    if config.gradient_checkpointing:
+        chunks = enable_chunked_checkpointing(model, config.gradient_checkpointing_layers_per_checkpoint)
+        logger.info(
+            "gradient checkpointing: %d checkpoints of %d layer(s)",
+            chunks,
+            config.gradient_checkpointing_layers_per_checkpoint,
+        )
+    optimizer = build_optimizer(model, config, deepspeed_config.offloads_optimizer(ds_config))
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def save(step: int) -> None:
+        rows = accelerator.gather(torch.tensor([batches.rows_consumed], device=accelerator.device)).tolist()
+        state = {"rows_consumed_per_rank": rows, "epoch": batches.epoch, "world_size": accelerator.num_processes}
+        path = checkpointing.save_checkpoint(accelerator, output_dir, step, state, config.to_dict())
+        checkpointing.rotate_checkpoints(accelerator, output_dir, config.save_total_limit)
+        logger.info("step %d: saved %s", step, path)
+
+    hooks = {
+        "flops_per_token": training_flops_per_token(
+            num_params, model_config.num_hidden_layers, config.max_seq_length, model_config.hidden_size
+        ),
+        "validation_rows": validation_rows,
+        "save": save,
+    }
+    result = train(config, accelerator, model, optimizer, batches, tokenizer, hooks)
+    logger.info("training stopped after %d steps: %s", result["steps"], result["stop_reason"])
+
+    final_dir = checkpointing.export_final(accelerator, model, tokenizer, output_dir, config.to_dict())
+    peaks = accelerator.gather(torch.tensor([metrics.peak_host_memory_gb()], device=accelerator.device)).tolist()
+    if accelerator.is_main_process:
+        metrics.plot_losses(output_dir / "metrics.jsonl", output_dir / "loss.png")
+        summary = {
+            **result,
+            "wall_seconds": time.perf_counter() - run_started,
+            "num_parameters": num_params,
+            "peak_host_memory_gb_per_rank": peaks,
+            "attn_implementation": attn_implementation,
+        }
+        (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+        logger.info("model: %s", final_dir)
+        logger.info("metrics: %s (TensorBoard: %s)", output_dir / "metrics.jsonl", output_dir / "tensorboard")
+        logger.info("loss plot: %s", output_dir / "loss.png")
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

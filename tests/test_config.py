@@ -1,0 +1,156 @@
+"""Every shipped recipe loads and validates; overrides, unknown keys and cross-field rules behave."""
+
+from pathlib import Path
+
+import pytest
+
+from recipes.config import (
+    ConfigError,
+    PretrainConfig,
+    config_from_dict,
+    load_config,
+    validate_against_model,
+    validate_for_world,
+    warmup_fraction,
+)
+from tests.conftest import REPO
+
+RECIPES = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+SPEC_RECIPES = {"llama70b_a800x8.yaml": 8, "llama70b_a800x16.yaml": 16}
+
+
+def minimal(**extra):
+    return {
+        "output_dir": "out",
+        "tokenizer_name_or_path": "tok",
+        "train_files": ["a.jsonl"],
+        "model_config": {"hidden_size": 64},
+        "max_steps": 10,
+        "lr_scheduler_kwargs": {"min_lr": 0.0},
+        **extra,
+    }
+
+
+def test_there_are_recipes_to_test():
+    assert {p.name for p in RECIPES} >= {"tiny_cpu.yaml", *SPEC_RECIPES}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(path: Path):
+    config = load_config(path)
+    assert isinstance(config, PretrainConfig)
+    assert config.global_batch_size is not None, "shipped recipes pin the global batch so a wrong launch is caught"
+
+
+@pytest.mark.parametrize(("name", "world_size"), SPEC_RECIPES.items())
+def test_spec_recipes_hold_every_value_of_the_spec_table(name, world_size):
+    config = load_config(REPO / "recipes" / "configs" / name)
+    validate_for_world(config, world_size)
+    assert config.per_device_train_batch_size == 2
+    assert config.gradient_accumulation_steps == {8: 8, 16: 4}[world_size]
+    assert config.resolved_global_batch_size(world_size) == config.global_batch_size == 128
+    assert config.max_seq_length == 2048
+    assert (config.learning_rate, config.weight_decay) == (1e-4, 0.1)
+    assert (config.adam_beta1, config.adam_beta2) == (0.9, 0.95)
+    assert config.max_grad_norm == 1.0
+    assert config.lr_scheduler_type == "cosine_with_min_lr"
+    assert config.lr_scheduler_kwargs == {"min_lr": 1e-5}
+    assert config.warmup_steps == 35_000
+    assert config.total_tokens == 3_500_000_000_000 and config.num_train_epochs == 1
+    assert config.max_steps == -1
+    assert config.total_steps(world_size) == 13_351_440
+    assert warmup_fraction(config, world_size) == pytest.approx(0.0026, abs=5e-5)
+    assert (config.bf16, config.fp16) == (True, False)
+    assert config.gradient_checkpointing and config.gradient_checkpointing_layers_per_checkpoint == 2
+    assert config.attn_implementation == "flash_attention_2"
+    assert (config.dataloader_num_workers, config.dataloader_pin_memory) == (16, True)
+    assert (config.save_steps, config.logging_steps, config.eval_steps) == (1000, 10, 1000)
+    assert config.early_stopping_patience == 3
+    assert config.model_config == {
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    }
+
+
+def test_overrides_coerce_types_and_reach_into_mappings():
+    config = load_config(
+        REPO / "recipes/configs/tiny_cpu.yaml",
+        ["--learning_rate", "8e-4", "--model_config.num_hidden_layers", "2", "--bf16", "false", "--max_steps=7"],
+    )
+    assert config.learning_rate == 8e-4 and isinstance(config.learning_rate, float)
+    assert config.model_config["num_hidden_layers"] == 2
+    assert config.model_config["hidden_size"] == 128, "a dotted override changes one entry, not the mapping"
+    assert config.bf16 is False and config.max_steps == 7
+
+
+def test_a_whole_mapping_override_replaces_it():
+    config = load_config(
+        REPO / "recipes/configs/tiny_cpu.yaml",
+        ["--lr_scheduler_type", "constant_with_warmup", "--lr_scheduler_kwargs", "{}"],
+    )
+    assert config.lr_scheduler_kwargs == {}
+
+
+def test_yaml_exponent_floats_without_dot_are_numbers():
+    assert config_from_dict(minimal(learning_rate="1e-4")).learning_rate == 1e-4
+    assert config_from_dict(minimal(total_tokens="3.5e12", max_steps=-1)).total_tokens == 3_500_000_000_000
+
+
+@pytest.mark.parametrize(
+    ("raw", "names"),
+    [
+        (minimal(learnin_rate=1e-4), ["learnin_rate", "learning_rate"]),
+        (minimal(model_config={"hidden_sise": 64}), ["hidden_sise"]),
+        (minimal(per_device_train_batch_size="two"), ["per_device_train_batch_size"]),
+        (minimal(bf16=True, fp16=True), ["bf16", "fp16"]),
+        (minimal(max_steps=-1), ["total_tokens"]),
+        (minimal(lr_scheduler_kwargs={}), ["min_lr"]),
+        (minimal(lr_scheduler_kwargs={"min_lr": 1.0}, learning_rate=0.1), ["min_lr", "learning_rate"]),
+        (minimal(lr_scheduler_type="linear", lr_scheduler_kwargs={}), ["lr_scheduler_type"]),
+        (minimal(global_batch_size=100, per_device_train_batch_size=8), ["global_batch_size"]),
+        (minimal(early_stopping_patience=3), ["early_stopping_patience", "validation_files"]),
+        (minimal(attn_implementation="flash"), ["attn_implementation"]),
+        ({k: v for k, v in minimal().items() if k != "train_files"}, ["train_files"]),
+    ],
+)
+def test_bad_values_name_the_fields(raw, names):
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(raw)
+    for name in names:
+        assert name in str(error.value)
+
+
+def test_world_size_must_give_the_global_batch():
+    config = load_config(REPO / "recipes/configs/llama70b_a800x8.yaml")
+    with pytest.raises(ConfigError) as error:
+        validate_for_world(config, world_size=16)
+    message = str(error.value)
+    assert "global_batch_size is 128" in message and "256" in message and "Launch on 8 processes" in message
+
+
+def test_max_steps_is_derived_from_tokens_and_floored():
+    config = config_from_dict(
+        minimal(max_steps=-1, total_tokens=10_000, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    )
+    config.max_seq_length = 1000
+    assert config.total_steps(world_size=2) == 2  # 10,000 / (4 rows x 1000 tokens) = 2.5
+
+
+def test_model_rules_name_the_fields():
+    config = config_from_dict(minimal())
+    with pytest.raises(ConfigError, match="max_seq_length 2048 exceeds the model's max_position_embeddings 1024"):
+        validate_against_model(config, vocab_size=32000, tokenizer_size=32000, max_positions=1024)
+    with pytest.raises(ConfigError, match="vocab_size 32000 is smaller than the tokenizer's 32005"):
+        validate_against_model(config, vocab_size=32000, tokenizer_size=32005, max_positions=4096)
+    validate_against_model(config, vocab_size=32000, tokenizer_size=32000, max_positions=2048)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,65 @@
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from data_prep import demo_corpus
+from data_prep.readers import file_format, is_hub_dataset_name, iter_texts, resolve_sources
+from data_prep.train_tokenizer import main as train_tokenizer
+
+
+def test_readers_for_each_format(tmp_path):
+    records = [{"text": "alpha"}, {"text": ""}, {"other": 1}, {"text": "beta"}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + "not json\n\n")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as handle:
+        handle.write(json.dumps({"body": "gamma"}) + "\n")
+    pq.write_table(pa.table({"text": ["delta", None, "epsilon"]}), tmp_path / "c.parquet")
+    (tmp_path / "d.txt").write_text("zeta\n\neta\n")
+    assert list(iter_texts(tmp_path / "a.jsonl")) == ["alpha", "beta"]
+    assert list(iter_texts(tmp_path / "b.jsonl.gz", text_field="body")) == ["gamma"]
+    assert list(iter_texts(tmp_path / "c.parquet")) == ["delta", "epsilon"]
+    assert list(iter_texts(tmp_path / "d.txt")) == ["zeta", "eta"]
+    with pytest.raises(ValueError, match="no column 'body'"):
+        list(iter_texts(tmp_path / "c.parquet", text_field="body"))
+
+
+def test_sources_are_checked_before_any_work(tmp_path):
+    (tmp_path / "x-1.jsonl").write_text("{}\n")
+    (tmp_path / "x-0.jsonl").write_text("{}\n")
+    assert resolve_sources([str(tmp_path / "x-*.jsonl")], "train_files") == [
+        str(tmp_path / "x-0.jsonl"),
+        str(tmp_path / "x-1.jsonl"),
+    ]
+    with pytest.raises(FileNotFoundError, match=r"train_files: .*missing.jsonl does not exist"):
+        resolve_sources([str(tmp_path / "missing.jsonl")], "train_files")
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        resolve_sources([str(tmp_path / "y-*.jsonl")], "train_files")
+    (tmp_path / "notes.docx").write_text("x")
+    with pytest.raises(ValueError, match="validation_files: .*unknown format"):
+        resolve_sources([str(tmp_path / "notes.docx")], "validation_files")
+    assert file_format("a.parquet") == "parquet" and file_format("b.txt.gz") == "text"
+    assert is_hub_dataset_name("HuggingFaceFW/fineweb") and not is_hub_dataset_name("data/train.jsonl")
+
+
+def test_trained_tokenizer_round_trips_and_has_eos(corpus):
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    assert len(tokenizer) == 1024 and tokenizer.eos_token == "<|endoftext|>"
+    text = "def f(x):\n    return x ** 2  # ünïcode ✓\n"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_tokenizer_cli_rejects_bad_input(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_tokenizer(["--input", str(tmp_path / "nope.jsonl"), "--vocab-size", "512", "--output", str(tmp_path)])
+    assert "nope.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_demo_corpus_split_is_disjoint(tmp_path):
+    written = demo_corpus.build(tmp_path, train_bytes=300_000, validation_bytes=50_000)
+    assert written["train"] >= 300_000 and written["validation"] >= 50_000
+    train = {json.loads(line)["text"] for line in (tmp_path / "train.jsonl").read_text().splitlines()}
+    validation = {json.loads(line)["text"] for line in (tmp_path / "validation.jsonl").read_text().splitlines()}
+    assert train and validation and not train & validation

@@ -1,0 +1,62 @@
+"""Packing and sharding invariants, checked over many random corpora."""
+
+import itertools
+import json
+import random
+
+import pytest
+
+from data_prep.packing import dropped_tail_tokens, pack_documents
+from data_prep.stream import PackedTextStream, shard_documents
+
+EOS = 0
+
+
+def random_documents(rng: random.Random) -> list[list[int]]:
+    return [[rng.randint(1, 50) for _ in range(rng.randint(0, 40))] for _ in range(rng.randint(0, 30))]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_rows_are_exact_and_nothing_is_lost_or_duplicated(seed):
+    rng = random.Random(seed)
+    documents = random_documents(rng)
+    seq_len = rng.randint(1, 24)
+    rows = list(pack_documents(documents, seq_len, EOS))
+    stream = [token for doc in documents for token in [*doc, EOS]]
+    assert all(len(row) == seq_len for row in rows)
+    packed = [token for row in rows for token in row]
+    assert packed == stream[: len(packed)], "rows are the document stream, in order, without gaps or repeats"
+    assert len(stream) - len(packed) == dropped_tail_tokens(len(stream), seq_len) < seq_len
+
+
+def test_every_document_is_followed_by_eos():
+    rows = list(pack_documents([[5, 6], [7], [8, 9, 10]], seq_len=3, eos_id=EOS))
+    assert rows == [[5, 6, EOS], [7, EOS, 8], [9, 10, EOS]]
+
+
+def test_bad_seq_len_is_refused():
+    with pytest.raises(ValueError, match="seq_len"):
+        list(pack_documents([[1]], 0, EOS))
+
+
+@pytest.mark.parametrize(("world_size", "num_workers"), [(1, 1), (2, 1), (2, 3), (8, 2)])
+def test_shards_are_disjoint_and_cover_every_document(tmp_path, world_size, num_workers):
+    path = tmp_path / "docs.jsonl"
+    texts = [f"document {i}" for i in range(101)]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    num_shards = world_size * num_workers
+    shards = [list(shard_documents([str(path)], "text", shard, num_shards)) for shard in range(num_shards)]
+    seen = list(itertools.chain.from_iterable(shards))
+    assert sorted(seen) == sorted(texts) and len(seen) == len(set(seen))
+
+
+def test_stream_rows_from_two_ranks_never_overlap(tmp_path, corpus):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    rows = {}
+    for rank in range(2):
+        stream = PackedTextStream([str(corpus["validation"])], tokenizer, 64, rank=rank, world_size=2)
+        rows[rank] = [tuple(item["input_ids"].tolist()) for item in stream]
+        assert rows[rank] and all(len(r) == 64 for r in rows[rank])
+    assert not set(rows[0]) & set(rows[1])

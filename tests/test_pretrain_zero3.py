@@ -1,0 +1,127 @@
+"""The real recipe, end to end: `accelerate launch` with 2 CPU processes and DeepSpeed ZeRO-3."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from recipes import pretrain
+from recipes.config import load_config
+from recipes.metrics import read_metrics
+from recipes.schedule import lr_at_step
+from recipes.validation import load_validation_rows
+from tests.conftest import REPO, TINY_RECIPE, launch, tiny_overrides
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, corpus):
+    output_dir = tmp_path_factory.mktemp("run")
+    args = tiny_overrides(
+        corpus,
+        output_dir,
+        max_steps=STEPS,
+        logging_steps=5,
+        eval_steps=20,
+        save_steps=10,
+        save_total_limit=2,
+        max_eval_samples=32,
+        early_stopping_patience=5,
+    )
+    result = launch(REPO / "recipes/pretrain.py", args)
+    assert result.returncode == 0, result.stderr[-6000:]
+    config = load_config(TINY_RECIPE, args[2:])
+    return {"dir": output_dir, "log": result.stderr + result.stdout, "config": config, "corpus": corpus}
+
+
+def test_loss_falls_and_metrics_are_complete(run):
+    records = read_metrics(run["dir"] / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in train] == list(range(5, STEPS + 1, 5))
+    assert [r["step"] for r in evals] == [20, 40]
+    for record in train:
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_host_memory_gb"} <= set(record)
+        assert math.isfinite(record["loss"]) and record["tokens_per_s"] > 0 and record["grad_norm"] > 0
+    assert train[0]["loss"] > math.log(1024) - 0.5, "starts near the uniform loss over 1024 tokens"
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] < train[0]["loss"]
+
+
+def test_lr_follows_the_schedule_once_per_optimizer_step(run):
+    config = run["config"]
+    for record in read_metrics(run["dir"] / "metrics.jsonl"):
+        if "lr" in record:
+            # The logged rate is the one used by the window's last optimizer step (step - 1 steps before it).
+            expected = lr_at_step(
+                record["step"] - 1,
+                learning_rate=config.learning_rate,
+                warmup_steps=config.warmup_steps,
+                total_steps=STEPS,
+                lr_scheduler_type=config.lr_scheduler_type,
+                min_lr=config.lr_scheduler_kwargs["min_lr"],
+            )
+            assert record["lr"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_ranks_are_distinct_and_the_model_is_partitioned(run):
+    log = run["log"]
+    assert "attention: sdpa" in log
+    match = re.search(r"model: ([\d.e+]+) parameters; this rank holds (\d+) elements", log)
+    total, local = float(match.group(1)), int(match.group(2))
+    assert local < 0.55 * total, "partitioned init: rank 0 holds about half of the parameters, not all"
+    ds_config = json.loads((run["dir"] / "deepspeed_config.json").read_text())
+    assert ds_config["train_batch_size"] == 32 and ds_config["gradient_clipping"] == 1.0
+    summary = json.loads((run["dir"] / "run_summary.json").read_text())
+    assert len(summary["peak_host_memory_gb_per_rank"]) == 2
+    assert summary["steps"] == STEPS and summary["stop_reason"] == "max_steps"
+
+
+def test_checkpoints_are_complete_and_rotated(run):
+    checkpoints = sorted(p.name for p in run["dir"].glob("checkpoint-*"))
+    assert checkpoints == ["checkpoint-30", "checkpoint-40"]
+    assert not list(run["dir"].glob(".checkpoint-*")), "no staging directory is left behind"
+    latest = run["dir"] / "checkpoint-40"
+    state = json.loads((latest / "trainer_state.json").read_text())
+    rows_per_rank = STEPS * 8 * 2  # steps x micro-batch x accumulation
+    assert state["global_step"] == STEPS and state["rows_consumed_per_rank"] == [rows_per_rank, rows_per_rank]
+    shards = sorted(p.name for p in (latest / "pytorch_model").iterdir())
+    assert any("zero_pp_rank_1" in name for name in shards), "each rank wrote its own ZeRO-3 shard"
+    assert (latest / "config.yaml").exists() and (latest / "random_states_1.pkl").exists()
+
+
+def test_final_model_loads_generates_and_matches_the_logged_eval_loss(run):
+    final = run["dir"] / "final"
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    prompt = tokenizer("def main(", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 12
+
+    config = run["config"]
+    rows = load_validation_rows(
+        [str(run["corpus"]["validation"])], tokenizer, config.max_seq_length, "text", config.max_eval_samples
+    )
+    with torch.no_grad():
+        loss = model(input_ids=rows, labels=rows).loss.item()
+    logged = [r["eval_loss"] for r in read_metrics(run["dir"] / "metrics.jsonl") if "eval_loss" in r][-1]
+    assert loss == pytest.approx(logged, abs=0.05), "final/ holds the consolidated weights that were evaluated"
+    assert (run["dir"] / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_impossible_batch_stops_before_the_model_is_built(tmp_path, corpus):
+    result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, tmp_path, global_batch_size=64))
+    assert result.returncode != 0
+    assert "global_batch_size is 64" in result.stderr and "Launch on 4 processes" in result.stderr
+    assert "parameters; this rank holds" not in result.stderr
+
+
+def test_config_errors_are_reported_without_a_launch(capsys, corpus, tmp_path):
+    assert pretrain.main(["--config", str(TINY_RECIPE), "--learnin_rate", "1e-4"]) == 2
+    assert "unknown key(s) learnin_rate" in capsys.readouterr().err
