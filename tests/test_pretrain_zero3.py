@@ -33,6 +33,7 @@ def run(tmp_path_factory, corpus):
         save_total_limit=2,
         max_eval_samples=32,
         early_stopping_patience=5,
+        warmup_steps=5,
     )
     result = launch(REPO / "recipes/pretrain.py", args)
     assert result.returncode == 0, result.stderr[-6000:]
