@@ -40,8 +40,13 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8", errors="replace")
 
 
-def iter_texts(path: str | Path, text_field: str = "text") -> Iterator[str]:
-    """Document texts of one file, in file order; lines without usable text are passed over."""
+def iter_texts(path: str | Path, text_field: str = "text", shard: int = 0, num_shards: int = 1) -> Iterator[str]:
+    """Document texts of one file, in file order; records without usable text are passed over.
+
+    With `num_shards` > 1 only records whose index i (line, or parquet row) has i % num_shards == shard
+    are parsed: the others are skipped as raw bytes, so N readers share the JSON parsing instead of
+    each doing all of it.
+    """
     path = Path(path)
     kind = file_format(path)
     if kind == "parquet":
@@ -50,13 +55,19 @@ def iter_texts(path: str | Path, text_field: str = "text") -> Iterator[str]:
         parquet = pq.ParquetFile(path)
         if text_field not in parquet.schema_arrow.names:
             raise ValueError(f"{path}: no column {text_field!r} (columns: {parquet.schema_arrow.names})")
+        index = 0
         for group in range(parquet.num_row_groups):
-            for text in parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist():
+            texts = parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+            first = (shard - index) % num_shards
+            for text in texts[first::num_shards]:
                 if isinstance(text, str) and text:
                     yield text
+            index += len(texts)
         return
     with _open_text(path) as handle:
-        for line in handle:
+        for index, line in enumerate(handle):
+            if index % num_shards != shard:
+                continue
             if kind == "text":
                 if line.strip():
                     yield line.rstrip("\n")
@@ -83,15 +94,15 @@ def is_hub_dataset_name(source: str) -> bool:
     return False
 
 
-def iter_source_texts(source: str, text_field: str = "text") -> Iterator[str]:
-    """Texts of a local file, or of a hub dataset's train split streamed (needs the hub)."""
+def iter_source_texts(source: str, text_field: str = "text", shard: int = 0, num_shards: int = 1) -> Iterator[str]:
+    """Texts of a local file, or of a hub dataset's train split streamed (needs the hub); see `iter_texts`."""
     if not is_hub_dataset_name(source):
-        yield from iter_texts(source, text_field)
+        yield from iter_texts(source, text_field, shard, num_shards)
         return
     import datasets
 
-    for record in datasets.load_dataset(source, split="train", streaming=True):
-        text = record.get(text_field)
+    for index, record in enumerate(datasets.load_dataset(source, split="train", streaming=True)):
+        text = record.get(text_field) if index % num_shards == shard else None
         if isinstance(text, str) and text:
             yield text
 

@@ -1,8 +1,9 @@
 """Streaming tokenize-and-pack: raw text files in, rows of exactly `seq_len` token ids out.
 
-Sharding is by document: document i of the concatenated inputs belongs to shard
-`i % num_shards`, one shard per (rank, dataloader worker). Every shard reads the file list but
-tokenizes only its own documents, so shards are disjoint and together cover the corpus.
+Sharding is by record: record i (a line, or a parquet row) of file f belongs to shard
+`(i + f) % num_shards`, one shard per (rank, dataloader worker). Every shard reads the file list but
+parses and tokenizes only its own records, so shards are disjoint and together cover the corpus;
+offsetting by the file index spreads files shorter than the shard count over all shards.
 """
 
 from __future__ import annotations
@@ -19,12 +20,8 @@ TOKENIZE_BATCH_DOCS = 256
 
 
 def shard_documents(sources: list[str], text_field: str, shard: int, num_shards: int) -> Iterator[str]:
-    index = 0
-    for source in sources:
-        for text in iter_source_texts(source, text_field):
-            if index % num_shards == shard:
-                yield text
-            index += 1
+    for file_index, source in enumerate(sources):
+        yield from iter_source_texts(source, text_field, (shard - file_index) % num_shards, num_shards)
 
 
 def tokenize_in_batches(texts: Iterator[str], tokenizer, batch_docs: int = TOKENIZE_BATCH_DOCS) -> Iterator[list[int]]:

@@ -328,6 +328,11 @@ def validate_static(config: PretrainConfig) -> None:
             raise ConfigError(f"early_stopping_patience must be >= 1 or unset, got {config.early_stopping_patience}")
         if not config.validation_files:
             raise ConfigError("early_stopping_patience needs validation_files: it watches eval_loss")
+    if config.model_name_or_path and config.model_config:
+        raise ConfigError(
+            f"model_name_or_path {config.model_name_or_path} brings its own shape, so model_config must be empty "
+            f"(it has {sorted(config.model_config)}); override it with --model_config '{{}}'"
+        )
     if config.model_name_or_path is None and not config.model_config:
         raise ConfigError("give model_config (a from-scratch Llama shape) or model_name_or_path (a local HF model)")
     unknown_model_keys = set(config.model_config) - set(MODEL_CONFIG_KEYS)

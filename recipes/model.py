@@ -35,8 +35,6 @@ def llama_config(config: PretrainConfig, tokenizer_size: int) -> LlamaConfig:
     """The model shape: `model_config` from the recipe, or the config of `model_name_or_path`."""
     if config.model_name_or_path:
         model_config = AutoConfig.from_pretrained(config.model_name_or_path)
-        for key, value in config.model_config.items():
-            setattr(model_config, key, value)
     else:
         values: dict[str, Any] = {"vocab_size": tokenizer_size, **config.model_config}
         model_config = LlamaConfig(**values)

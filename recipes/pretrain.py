@@ -169,7 +169,7 @@ class EpochBatches:
         return batches
 
 
-def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochBatches, tokenizer, hooks) -> dict:
+def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochBatches, hooks) -> dict:
     """The optimizer-step loop. Every rank runs the same number of steps and the same collectives."""
     world_size = accelerator.num_processes
     total_steps = config.total_steps(world_size)
@@ -249,7 +249,7 @@ def log_window(config, accelerator, model, window, window_seconds, lr, flops_per
     memory = torch.tensor(
         [metrics.peak_host_memory_gb(), metrics.peak_gpu_memory_gb() or 0.0], device=accelerator.device
     )
-    memory = accelerator.reduce(memory, reduction="max") if accelerator.num_processes > 1 else memory
+    memory = accelerator.reduce(memory, reduction="max")
     seconds = accelerator.reduce(torch.tensor([window_seconds], device=accelerator.device), reduction="max").item()
     tokens_per_s = metrics.tokens_per_second(int(totals[2].item()), seconds)
     grad_norm = model.get_global_grad_norm()
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "validation_rows": validation_rows,
         "save": save,
     }
-    result = train(config, accelerator, model, optimizer, batches, tokenizer, hooks)
+    result = train(config, accelerator, model, optimizer, batches, hooks)
     logger.info("training stopped after %d steps: %s", result["steps"], result["stop_reason"])
 
     final_dir = checkpointing.export_final(accelerator, model, tokenizer, output_dir, config.to_dict())

@@ -116,6 +116,7 @@ def test_yaml_exponent_floats_without_dot_are_numbers():
         (minimal(global_batch_size=100, per_device_train_batch_size=8), ["global_batch_size"]),
         (minimal(early_stopping_patience=3), ["early_stopping_patience", "validation_files"]),
         (minimal(attn_implementation="flash"), ["attn_implementation"]),
+        (minimal(model_name_or_path="ckpt/final"), ["model_name_or_path", "model_config"]),
         ({k: v for k, v in minimal().items() if k != "train_files"}, ["train_files"]),
     ],
 )

@@ -60,3 +60,26 @@ def test_stream_rows_from_two_ranks_never_overlap(tmp_path, corpus):
         rows[rank] = [tuple(item["input_ids"].tolist()) for item in stream]
         assert rows[rank] and all(len(r) == 64 for r in rows[rank])
     assert not set(rows[0]) & set(rows[1])
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 7])
+def test_shards_cover_many_short_files_and_parquet(tmp_path, num_shards):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = []
+    paths = []
+    for f in range(5):
+        path = tmp_path / f"part-{f}.jsonl"
+        lines = [f"file {f} doc {i}" for i in range(f)]  # 0 to 4 documents: shorter than the shard count
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+        texts += lines
+        paths.append(str(path))
+    table = pa.table({"text": [f"row {i}" for i in range(23)]})
+    pq.write_table(table, tmp_path / "rows.parquet", row_group_size=5)
+    texts += [f"row {i}" for i in range(23)]
+    paths.append(str(tmp_path / "rows.parquet"))
+    shards = [list(shard_documents(paths, "text", shard, num_shards)) for shard in range(num_shards)]
+    seen = list(itertools.chain.from_iterable(shards))
+    assert sorted(seen) == sorted(texts) and len(seen) == len(set(seen))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 3

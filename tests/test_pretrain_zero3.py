@@ -116,6 +116,30 @@ def test_final_model_loads_generates_and_matches_the_logged_eval_loss(run):
     assert (run["dir"] / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_continues_from_the_exported_checkpoint(run, tmp_path):
+    """`model_name_or_path` starts from trained weights: the first evaluation is where the first run ended."""
+    args = tiny_overrides(
+        run["corpus"],
+        tmp_path,
+        model_name_or_path=run["dir"] / "final",
+        model_config="{}",
+        max_steps=5,
+        logging_steps=5,
+        eval_steps=5,
+        save_steps=5,
+        max_eval_samples=32,
+        warmup_steps=0,
+        learning_rate="3e-4",
+        lr_scheduler_kwargs="{min_lr: 3e-4}",
+    )
+    result = launch(REPO / "recipes/pretrain.py", args)
+    assert result.returncode == 0, result.stderr[-6000:]
+    first_run = [r["eval_loss"] for r in read_metrics(run["dir"] / "metrics.jsonl") if "eval_loss" in r]
+    continued = [r["eval_loss"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_loss" in r]
+    assert continued[0] == pytest.approx(first_run[-1], abs=0.1)
+    assert continued[0] < first_run[0] - 0.2
+
+
 def test_impossible_batch_stops_before_the_model_is_built(tmp_path, corpus):
     result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, tmp_path, global_batch_size=64))
     assert result.returncode != 0
