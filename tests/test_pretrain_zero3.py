@@ -137,7 +137,7 @@ def test_continues_from_the_exported_checkpoint(run, tmp_path):
     first_run = [r["eval_loss"] for r in read_metrics(run["dir"] / "metrics.jsonl") if "eval_loss" in r]
     continued = [r["eval_loss"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_loss" in r]
     assert continued[0] == pytest.approx(first_run[-1], abs=0.1)
-    assert continued[0] < first_run[0] - 0.2
+    assert continued[0] < math.log(1024) - 0.5, "a fresh model would start near the uniform loss"
 
 
 def test_impossible_batch_stops_before_the_model_is_built(tmp_path, corpus):
