@@ -41,6 +41,8 @@ MODEL_CONFIG_KEYS = (
     "hidden_act",
 )
 
+HARDWARE_KEYS = ("gpus", "nodes", "gpu_memory_gb", "host_memory_gb", "mfu")
+
 
 @dataclass
 class PretrainConfig:
@@ -132,6 +134,12 @@ class PretrainConfig:
     """Pin host memory of batches (only takes effect with CUDA)."""
     peak_tflops_per_device: float | None = 312.0
     """Dense bf16 peak per device for MFU (A100/A800: 312); unset logs no MFU."""
+    hardware: dict[str, Any] = field(default_factory=dict)
+    """What `recipes.plan` assumes: gpus, nodes, gpu_memory_gb, host_memory_gb (per node), mfu."""
+    prometheus_port: int | None = None
+    """Serve the run's metrics for Prometheus on this port of the main process; unset serves nothing."""
+    preflight_strict: bool = True
+    """Stop at start-up when the plan says the run does not fit in GPU or host memory."""
 
     def micro_tokens(self) -> int:
         return self.per_device_train_batch_size * self.max_seq_length
@@ -339,6 +347,11 @@ def validate_static(config: PretrainConfig) -> None:
     if unknown_model_keys:
         raise ConfigError(
             f"model_config has unknown key(s) {sorted(unknown_model_keys)}; valid: {', '.join(MODEL_CONFIG_KEYS)}"
+        )
+    unknown_hardware_keys = set(config.hardware) - set(HARDWARE_KEYS)
+    if unknown_hardware_keys:
+        raise ConfigError(
+            f"hardware has unknown key(s) {sorted(unknown_hardware_keys)}; valid: {', '.join(HARDWARE_KEYS)}"
         )
     if config.global_batch_size is not None:
         micro_x_accum = config.per_device_train_batch_size * config.gradient_accumulation_steps

@@ -48,16 +48,22 @@ def peak_gpu_memory_gb() -> float | None:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per line to metrics.jsonl and mirrors scalars to TensorBoard and,
+    when a port is given, to a Prometheus endpoint."""
 
-    def __init__(self, output_dir: str | Path, enabled: bool):
+    def __init__(self, output_dir: str | Path, enabled: bool, prometheus_port: int | None = None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.tensorboard = None
+        self.prometheus = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+            if prometheus_port is not None:
+                from recipes.monitoring import PrometheusExporter
+
+                self.prometheus = PrometheusExporter(prometheus_port)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -69,10 +75,14 @@ class MetricsWriter:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.tensorboard.add_scalar(key, value, step)
         self.tensorboard.flush()
+        if self.prometheus is not None:
+            self.prometheus.update({"step": step, **values})
 
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.prometheus is not None:
+            self.prometheus.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -104,3 +114,47 @@ def plot_losses(metrics_path: str | Path, output_png: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(output_png, dpi=110)
     plt.close(fig)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def run_report(output_dir: str | Path) -> str:
+    """A short Markdown report of a run from its metrics.jsonl and run_summary.json."""
+    output_dir = Path(output_dir)
+    records = read_metrics(output_dir / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    summary_path = output_dir / "run_summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    lines = [f"# Run report: {output_dir}", ""]
+    if not train:
+        return "\n".join([*lines, "No training step was logged."]) + "\n"
+    lines += [
+        f"- steps: {train[-1]['step']} ({summary.get('stop_reason', 'stop reason unknown')})",
+        f"- train loss: {train[0]['loss']:.4f} (step {train[0]['step']}) -> {train[-1]['loss']:.4f} "
+        f"(step {train[-1]['step']})",
+    ]
+    if evals:
+        best = min(evals, key=lambda r: r["eval_loss"])
+        trail = " -> ".join(f"{r['eval_loss']:.4f} (step {r['step']})" for r in evals)
+        lines += [f"- eval loss: {trail}", f"- best eval loss: {best['eval_loss']:.4f} at step {best['step']}"]
+    lines.append(f"- throughput: median {_median([r['tokens_per_s'] for r in train]):,.0f} tokens/s over all ranks")
+    mfus = [r["mfu"] for r in train if r.get("mfu") is not None]
+    if mfus:
+        lines.append(f"- MFU: median {_median(mfus):.1%}")
+    if train[-1].get("num_tokens"):
+        lines.append(f"- tokens consumed: {train[-1]['num_tokens']:,}")
+    if "peak_host_memory_gb_per_rank" in summary:
+        peaks = ", ".join(f"rank {i} {gb:.2f} GB" for i, gb in enumerate(summary["peak_host_memory_gb_per_rank"]))
+        lines.append(f"- peak host memory: {peaks}")
+    if "wall_seconds" in summary:
+        lines.append(f"- wall time: {summary['wall_seconds']:.0f} s")
+    scores = [r for r in records if any(k.startswith("benchmark/") for k in r)]
+    for record in scores[-1:]:
+        for key, value in record.items():
+            if key.startswith("benchmark/"):
+                lines.append(f"- {key.removeprefix('benchmark/')}: {value:.4f} (step {record['step']})")
+    return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by `accelerate launch recipes/pretrain.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import psutil
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -40,6 +41,7 @@ from recipes.model import (
     local_parameter_elements,
     training_flops_per_token,
 )
+from recipes.plan import Hardware, format_plan, hardware_from, make_plan
 from recipes.schedule import lr_at_step
 from recipes.validation import load_validation_rows, validation_loss
 
@@ -92,7 +94,24 @@ def configure_logging(accelerator) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
 
 
-def preflight(config: PretrainConfig, accelerator):
+def live_hardware(config: PretrainConfig, world_size: int) -> Hardware:
+    """The hardware this launch runs on. Without CUDA the recipe's `hardware.gpu_memory_gb` stands in
+    for device memory (unset: no device-memory check), so CPU rehearsals can exercise the refusal."""
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if torch.cuda.is_available():
+        gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    else:
+        gpu_memory_gb = config.hardware.get("gpu_memory_gb")
+    return hardware_from(
+        config,
+        gpus=world_size,
+        nodes=max(1, world_size // gpus_per_node),
+        gpu_memory_gb=gpu_memory_gb,
+        host_memory_gb=psutil.virtual_memory().total / 1e9,
+    )
+
+
+def preflight(config: PretrainConfig, accelerator, ds_config):
     """Everything that can be wrong with the inputs, checked before the model costs anything."""
     train_sources = resolve_sources(config.train_files, "train_files")
     validation_sources = resolve_sources(config.validation_files, "validation_files")
@@ -108,17 +127,16 @@ def preflight(config: PretrainConfig, accelerator):
     )
     attn_implementation, reason = detect_attn_implementation(config.attn_implementation)
     logger.info("attention: %s (%s)", attn_implementation, reason)
-    total_steps = config.total_steps(accelerator.num_processes)
-    global_batch = config.resolved_global_batch_size(accelerator.num_processes)
-    logger.info(
-        "plan: %d optimizer steps x %d rows x %d tokens = %.4g tokens; warmup %d steps (%.2f%% of training)",
-        total_steps,
-        global_batch,
-        config.max_seq_length,
-        total_steps * global_batch * config.max_seq_length,
-        config.warmup_steps,
-        100 * config.warmup_steps / total_steps,
+    plan = make_plan(
+        config, live_hardware(config, accelerator.num_processes), ds_config, vocab_size=model_config.vocab_size
     )
+    logger.info("preflight %s", format_plan(plan, config))
+    if not plan.fits and config.preflight_strict:
+        raise ConfigError(
+            "the plan says this run does not fit:\n  "
+            + "\n  ".join(plan.verdicts)
+            + "\nChange the recipe or DeepSpeed config, or set preflight_strict: false to try anyway."
+        )
     return tokenizer, model_config, attn_implementation, train_sources, validation_sources
 
 
@@ -174,12 +192,12 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
     world_size = accelerator.num_processes
     total_steps = config.total_steps(world_size)
     min_lr = float(config.lr_scheduler_kwargs.get("min_lr", 0.0))
-    writer = metrics.MetricsWriter(config.output_dir, enabled=accelerator.is_main_process)
+    writer = hooks["writer"]
     progress = tqdm(total=total_steps, disable=not accelerator.is_main_process, desc="train", unit="step")
     window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, micro-batches, tokens
     window_seconds = 0.0
     best_eval_loss, evaluations_without_improvement = float("inf"), 0
-    step, stop_reason = 0, "max_steps"
+    step, stop_reason, num_tokens = 0, "max_steps", 0
     model.train()
     while step < total_steps:
         micro_batches = batches.take(config.gradient_accumulation_steps)
@@ -215,6 +233,8 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
 
         if step % config.logging_steps == 0 or step == total_steps:
             record = log_window(config, accelerator, model, window, window_seconds, lr, hooks["flops_per_token"])
+            num_tokens += record.pop("window_tokens")
+            record["num_tokens"] = num_tokens
             writer.write(step, record)
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             window.zero_()
@@ -239,7 +259,6 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
         if step % config.save_steps == 0 or step == total_steps:
             hooks["save"](step)
     progress.close()
-    writer.close()
     return {"steps": step, "stop_reason": stop_reason, "best_eval_loss": best_eval_loss}
 
 
@@ -250,8 +269,12 @@ def log_window(config, accelerator, model, window, window_seconds, lr, flops_per
         [metrics.peak_host_memory_gb(), metrics.peak_gpu_memory_gb() or 0.0], device=accelerator.device
     )
     memory = accelerator.reduce(memory, reduction="max")
+    # Ranks step in lockstep, so the slowest rank's time is the window's wall time; the tokens are
+    # what all ranks consumed together, each counting only its own micro-batches.
     seconds = accelerator.reduce(torch.tensor([window_seconds], device=accelerator.device), reduction="max").item()
-    tokens_per_s = metrics.tokens_per_second(int(totals[2].item()), seconds)
+    window_tokens = int(totals[2].item())
+    window_steps = int(totals[1].item()) // (config.gradient_accumulation_steps * accelerator.num_processes)
+    tokens_per_s = metrics.tokens_per_second(window_tokens, seconds)
     grad_norm = model.get_global_grad_norm()
     record = {
         "loss": totals[0].item() / totals[1].item(),
@@ -262,6 +285,8 @@ def log_window(config, accelerator, model, window, window_seconds, lr, flops_per
             tokens_per_s, flops_per_token, accelerator.num_processes, config.peak_tflops_per_device
         ),
         "peak_host_memory_gb": memory[0].item(),
+        "step_time_s": seconds / window_steps,
+        "window_tokens": window_tokens,
     }
     if torch.cuda.is_available():
         record["peak_gpu_memory_gb"] = memory[1].item()
@@ -283,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_args(argv)
         accelerator, ds_config = setup_distributed(config)
         configure_logging(accelerator)
-        tokenizer, model_config, attn_implementation, train_sources, validation_sources = preflight(config, accelerator)
+        tokenizer, model_config, attn_implementation, train_sources, validation_sources = preflight(
+            config, accelerator, ds_config
+        )
     except (ConfigError, FileNotFoundError, ValueError) as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr)
@@ -324,11 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = build_optimizer(model, config, deepspeed_config.offloads_optimizer(ds_config))
     model, optimizer = accelerator.prepare(model, optimizer)
 
+    writer = metrics.MetricsWriter(output_dir, accelerator.is_main_process, config.prometheus_port)
+
     def save(step: int) -> None:
         rows = accelerator.gather(torch.tensor([batches.rows_consumed], device=accelerator.device)).tolist()
         state = {"rows_consumed_per_rank": rows, "epoch": batches.epoch, "world_size": accelerator.num_processes}
         path = checkpointing.save_checkpoint(accelerator, output_dir, step, state, config.to_dict())
         checkpointing.rotate_checkpoints(accelerator, output_dir, config.save_total_limit)
+        writer.write(step, {"last_checkpoint_step": step})
         logger.info("step %d: saved %s", step, path)
 
     hooks = {
@@ -337,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "validation_rows": validation_rows,
         "save": save,
+        "writer": writer,
     }
     result = train(config, accelerator, model, optimizer, batches, hooks)
     logger.info("training stopped after %d steps: %s", result["steps"], result["stop_reason"])
@@ -353,9 +384,11 @@ def main(argv: list[str] | None = None) -> int:
             "attn_implementation": attn_implementation,
         }
         (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+        (output_dir / "report.md").write_text(metrics.run_report(output_dir))
         logger.info("model: %s", final_dir)
         logger.info("metrics: %s (TensorBoard: %s)", output_dir / "metrics.jsonl", output_dir / "tensorboard")
         logger.info("loss plot: %s", output_dir / "loss.png")
+    writer.close()
     accelerator.end_training()
     return 0
 

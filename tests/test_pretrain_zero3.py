@@ -50,6 +50,11 @@ def test_loss_falls_and_metrics_are_complete(run):
     for record in train:
         assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_host_memory_gb"} <= set(record)
         assert math.isfinite(record["loss"]) and record["tokens_per_s"] > 0 and record["grad_norm"] > 0
+    # Honest accounting: tokens/s times seconds per step is one global batch, not one per rank.
+    tokens_per_step = 2 * 8 * 2 * 128  # ranks x micro-batch x accumulation x sequence length
+    for record in train:
+        assert record["tokens_per_s"] * record["step_time_s"] == pytest.approx(tokens_per_step, rel=1e-6)
+    assert train[-1]["num_tokens"] == STEPS * tokens_per_step
     assert train[0]["loss"] > math.log(1024) - 0.5, "starts near the uniform loss over 1024 tokens"
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] < train[0]["loss"]
@@ -114,6 +119,8 @@ def test_final_model_loads_generates_and_matches_the_logged_eval_loss(run):
     logged = [r["eval_loss"] for r in read_metrics(run["dir"] / "metrics.jsonl") if "eval_loss" in r][-1]
     assert loss == pytest.approx(logged, abs=0.05), "final/ holds the consolidated weights that were evaluated"
     assert (run["dir"] / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    report = (run["dir"] / "report.md").read_text()
+    assert f"steps: {STEPS} (max_steps)" in report and "best eval loss" in report
 
 
 def test_continues_from_the_exported_checkpoint(run, tmp_path):
@@ -144,6 +151,14 @@ def test_impossible_batch_stops_before_the_model_is_built(tmp_path, corpus):
     result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, tmp_path, global_batch_size=64))
     assert result.returncode != 0
     assert "global_batch_size is 64" in result.stderr and "Launch on 4 processes" in result.stderr
+    assert "parameters; this rank holds" not in result.stderr
+
+
+def test_preflight_refuses_a_run_that_does_not_fit(tmp_path, corpus):
+    # Without CUDA the recipe's hardware.gpu_memory_gb stands in for device memory.
+    result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, tmp_path, **{"hardware.gpu_memory_gb": 0.5}))
+    assert result.returncode != 0
+    assert "the plan says this run does not fit" in result.stderr and "0.5 GB available" in result.stderr
     assert "parameters; this rank holds" not in result.stderr
 
 

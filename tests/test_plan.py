@@ -1,0 +1,137 @@
+"""The planner's arithmetic against transformers, DeepSpeed's own estimator and the SPEC's checks."""
+
+import copy
+import json
+
+import pytest
+import torch
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from recipes import plan as planner
+from recipes.config import load_config
+from recipes.deepspeed_config import load_deepspeed_json
+from tests.conftest import REPO
+
+ZERO3 = load_deepspeed_json(REPO / "accelerate_configs/deepspeed/zero3.json")
+RECIPE_8 = REPO / "recipes/configs/llama70b_a800x8.yaml"
+RECIPE_16 = REPO / "recipes/configs/llama70b_a800x16.yaml"
+
+
+def plan_for(path, vocab_size=32_000, ds_config=ZERO3, overrides=(), **hardware):
+    config = load_config(path, list(overrides))
+    return config, planner.make_plan(
+        config, planner.hardware_from(config, **hardware), ds_config, vocab_size=vocab_size
+    )
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"vocab_size": 32_000, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+         "num_attention_heads": 64, "num_key_value_heads": 8},
+        {"vocab_size": 128_256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+         "num_attention_heads": 64, "num_key_value_heads": 8},
+        {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2},
+        {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 100, "num_hidden_layers": 3,
+         "num_attention_heads": 8, "tie_word_embeddings": True},
+    ],
+)  # fmt: skip
+def test_parameter_count_equals_transformers(shape):
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    total, largest = planner.llama_parameter_count(**shape)
+    assert total == sum(p.numel() for p in model.parameters())
+    assert largest == max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+@pytest.mark.parametrize(("path", "gpus", "nodes"), [(RECIPE_8, 8, 1), (RECIPE_16, 16, 2)])
+@pytest.mark.parametrize(("offload_optimizer", "offload_param"), [(True, False), (False, False), (True, True)])
+def test_model_states_agree_with_deepspeeds_estimator(path, gpus, nodes, offload_optimizer, offload_param):
+    ds = copy.deepcopy(ZERO3)
+    ds["zero_optimization"]["offload_optimizer"]["device"] = "cpu" if offload_optimizer else "none"
+    ds["zero_optimization"]["offload_param"]["device"] = "cpu" if offload_param else "none"
+    _, plan = plan_for(path, ds_config=ds, gpus=gpus, nodes=nodes)
+    cpu_bytes, gpu_bytes, _ = estimate_zero3_model_states_mem_needs(
+        plan.params,
+        plan.largest_layer_params,
+        num_gpus_per_node=gpus // nodes,
+        num_nodes=nodes,
+        cpu_offload=offload_optimizer,
+        cpu_offload_params=offload_param,
+        zero_init=True,
+    )
+    assert plan.model_states_gpu_gb == pytest.approx(gpu_bytes / 1e9, abs=0.002)
+    if offload_optimizer:
+        assert plan.deepspeed_host_estimate_gb == pytest.approx(cpu_bytes / 1e9, rel=1e-6)
+
+
+def test_spec_checks_for_the_8_gpu_recipe():
+    config, plan = plan_for(RECIPE_8)
+    assert plan.params / 1e9 == pytest.approx(68.98, abs=0.005)
+    assert plan.flops_per_token / 1e9 == pytest.approx(430, abs=1)
+    assert plan.hardware_flops_per_token / 1e9 == pytest.approx(573, abs=1)
+    assert plan.total_steps == 13_351_440
+    assert plan.warmup_fraction == pytest.approx(0.0026, abs=5e-5)
+    assert plan.peak_tokens_per_s == pytest.approx(5_800, rel=0.01)
+    assert plan.expected_days / 365 == pytest.approx(42, rel=0.03)
+    assert plan.fits and 40 <= plan.per_gpu_memory_gb["total"] <= 50
+    assert plan.host_memory_terms_gb["offloaded_optimizer"] == pytest.approx(1100, rel=0.01)
+    assert plan.checkpoint_gb == pytest.approx(140 + 840, rel=0.02)
+    assert any("1.5x buffer factor" in w for w in plan.warnings), "DeepSpeed's 1.66 TB exceeds the 1.5 TB node"
+
+
+def test_spec_checks_for_the_16_gpu_recipe():
+    _, plan = plan_for(RECIPE_16)
+    assert plan.peak_tokens_per_s == pytest.approx(11_600, rel=0.01)
+    assert plan.expected_days / 365 == pytest.approx(21, rel=0.03)
+    assert plan.host_memory_terms_gb["offloaded_optimizer"] == pytest.approx(550, rel=0.01)
+    assert plan.fits and plan.per_gpu_memory_gb["bf16_parameter_shard"] == pytest.approx(8.62, abs=0.01)
+
+
+def test_llama2_70b_reported_gpu_hours():
+    """Meta: 1,720,320 A100-hours for 2T tokens, which is ~45% MFU at 430 GFLOP/token."""
+    _, plan = plan_for(RECIPE_8, overrides=["--total_tokens", "2e12"], mfu=0.45)
+    assert plan.gpu_hours == pytest.approx(1_720_320, rel=0.02)
+
+
+def test_zero3_without_optimizer_offload_does_not_fit_on_8x80gb():
+    ds = copy.deepcopy(ZERO3)
+    ds["zero_optimization"]["offload_optimizer"]["device"] = "none"
+    _, plan = plan_for(RECIPE_8, ds_config=ds)
+    assert not plan.fits
+    assert plan.per_gpu_memory_gb["total"] > 156
+    assert "does not fit" in plan.verdicts[0] and "optimizer_states" in plan.verdicts[0]
+
+
+def test_short_host_memory_is_a_verdict_and_a_throughput_promise_a_warning():
+    config, plan = plan_for(RECIPE_8, host_memory_gb=1024)
+    assert not plan.fits and "host memory" in plan.verdicts[0]
+    plan = planner.make_plan(
+        config, planner.hardware_from(config), ZERO3, vocab_size=32_000, target_tokens_per_s=80_000
+    )
+    assert any("13.8x the physical ceiling" in w for w in plan.warnings)
+
+
+def test_cli_json(capsys):
+    assert planner.main(["--config", str(RECIPE_16), "--json", "--model_config.vocab_size", "32000"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in (
+        "params", "total_steps", "warmup_fraction", "flops_per_token", "per_gpu_memory_gb",
+        "host_memory_per_node_gb", "peak_tokens_per_s", "expected_tokens_per_s", "expected_days",
+        "gpu_hours", "checkpoint_gb", "fits", "warnings",
+    ):  # fmt: skip
+        assert key in out
+    assert "total" in out["per_gpu_memory_gb"] and out["fits"] is True
+    assert not any("vocabulary size assumed" in w for w in out["warnings"])
+
+
+def test_cli_text_and_errors(capsys):
+    assert planner.main(["--config", str(RECIPE_8), "--gpus", "16", "--nodes", "2"]) == 2
+    assert "global_batch_size is 128" in capsys.readouterr().err
+    assert planner.main(["--config", str(RECIPE_8), "--mfu", "1.5"]) == 2
+    assert "--mfu 1.5" in capsys.readouterr().err
+    assert planner.main(["--config", str(RECIPE_8)]) == 0
+    text = capsys.readouterr().out
+    assert "13,351,440" in text and "ceiling 5,805" in text and "verdict: fits" in text
