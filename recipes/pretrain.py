@@ -198,12 +198,15 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
     window_seconds = 0.0
     best_eval_loss, evaluations_without_improvement = float("inf"), 0
     step, stop_reason, num_tokens = 0, "max_steps", 0
+    exhausted = torch.zeros(1, device=accelerator.device)
     model.train()
     while step < total_steps:
         micro_batches = batches.take(config.gradient_accumulation_steps)
-        # Ranks hold different shares of the data; stop all of them as soon as one runs dry.
-        exhausted = torch.tensor([micro_batches is None], dtype=torch.float32, device=accelerator.device)
-        if accelerator.reduce(exhausted, reduction="sum").item() > 0:
+        # Ranks hold different shares of the data; stop all of them as soon as one runs dry. One
+        # 1-element all-reduce per optimizer step, on a preallocated tensor.
+        exhausted.fill_(float(micro_batches is None))
+        torch.distributed.all_reduce(exhausted, op=torch.distributed.ReduceOp.MAX)
+        if exhausted.item() > 0:
             stop_reason = "end of data"
             break
 
