@@ -136,6 +136,8 @@ class PretrainConfig:
     """Dense bf16 peak per device for MFU (A100/A800: 312); unset logs no MFU."""
     hardware: dict[str, Any] = field(default_factory=dict)
     """What `recipes.plan` assumes: gpus, nodes, gpu_memory_gb, host_memory_gb (per node), mfu."""
+    resume_from_checkpoint: str = "auto"
+    """auto: the newest complete checkpoint in output_dir, if any; none: start fresh; or a checkpoint path."""
     prometheus_port: int | None = None
     """Serve the run's metrics for Prometheus on this port of the main process; unset serves nothing."""
     preflight_strict: bool = True

@@ -92,6 +92,17 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def truncate_metrics(path: str | Path, after_step: int) -> None:
+    """Drop records past `after_step`: a resumed run logs those steps again, and the file keeps one history."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= after_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
 def plot_losses(metrics_path: str | Path, output_png: str | Path) -> None:
     """Training loss per logged step, and eval_loss where it was measured."""
     import matplotlib

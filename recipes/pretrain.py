@@ -10,12 +10,16 @@ training loop -> export. Mechanisms live in the modules it imports.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
+import math
 import os
+import signal
 import sys
 import time
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by `accelerate launch recipes/pretrain.py`
@@ -30,6 +34,7 @@ from transformers import AutoTokenizer
 from data_prep.readers import resolve_sources
 from data_prep.stream import PackedTextStream
 from recipes import checkpointing, deepspeed_config, metrics
+from recipes.checkpointing import CheckpointError
 from recipes.config import ConfigError, PretrainConfig, load_config, validate_against_model, validate_for_world
 from recipes.model import (
     build_model,
@@ -48,10 +53,17 @@ from recipes.validation import load_validation_rows, validation_loss
 logger = logging.getLogger("pretrain")
 
 
+class TrainingFault(RuntimeError):
+    """A fault that stops every rank (non-finite loss or gradient norm); the message says where."""
+
+
 def parse_args(argv: list[str] | None = None) -> PretrainConfig:
     parser = argparse.ArgumentParser(description="Pretrain a Llama-style model with DeepSpeed ZeRO-3.")
     parser.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/configs/tiny_cpu.yaml")
+    parser.add_argument("--resume", help="auto (default), none, or a checkpoint directory")
     args, overrides = parser.parse_known_args(argv)
+    if args.resume:
+        overrides += ["--resume_from_checkpoint", args.resume]
     return load_config(args.config, overrides)
 
 
@@ -157,17 +169,27 @@ def build_train_loader(config: PretrainConfig, sources: list[str], tokenizer, ac
         num_workers=config.dataloader_num_workers,
         pin_memory=config.dataloader_pin_memory and torch.cuda.is_available(),
         drop_last=True,
+        worker_init_fn=ignore_stop_signals,
     )
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """Dataloader workers leave preemption signals to their rank: Slurm signals every process of the job,
+    and a worker dying of SIGTERM would kill the rank before it can save. Since multiprocessing stops
+    workers with SIGTERM at exit, the rank kills them itself (`EpochBatches.close`)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class EpochBatches:
-    """Micro-batches over `num_train_epochs` passes; counts the rows this rank consumed."""
+    """Micro-batches over `num_train_epochs` passes; its position (epoch, rows consumed in it) is
+    part of the training state, and `restore` puts a fresh loader back at a saved position."""
 
     def __init__(self, loader: DataLoader, num_epochs: int):
         self.loader = loader
         self.num_epochs = num_epochs
         self.epoch = 0
-        self.rows_consumed = 0
+        self.rows_consumed = 0  # in the current epoch, by this rank
         self._iterator = iter(loader)
 
     def take(self, count: int) -> list[torch.Tensor] | None:
@@ -177,42 +199,102 @@ class EpochBatches:
             try:
                 batch = next(self._iterator)["input_ids"]
             except StopIteration:
-                self.epoch += 1
-                if self.epoch >= self.num_epochs:
+                if self.epoch + 1 >= self.num_epochs:
                     return None
+                self.epoch += 1
+                self.rows_consumed = 0
                 self._iterator = iter(self.loader)
                 continue
+            self.rows_consumed += len(batch)
             batches.append(batch)
-        self.rows_consumed += sum(len(b) for b in batches)
         return batches
 
+    def restore(self, epoch: int, rows_consumed: int) -> None:
+        """Skip to a saved position. Raw-text streams are deterministic, so reading past the consumed
+        rows reproduces the exact next batch; the cost grows with the position (preprocessed data seeks)."""
+        self.epoch, self.rows_consumed = epoch, 0
+        self._iterator = iter(self.loader)
+        while self.rows_consumed < rows_consumed:
+            try:
+                self.rows_consumed += len(next(self._iterator)["input_ids"])
+            except StopIteration:
+                raise CheckpointError(
+                    f"the data ended after {self.rows_consumed} rows while restoring position {rows_consumed}: "
+                    "train_files changed since the checkpoint was written"
+                ) from None
 
-def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochBatches, hooks) -> dict:
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "rows_consumed": self.rows_consumed}
+
+    def close(self) -> None:
+        """Stop the dataloader workers (they ignore SIGTERM, so multiprocessing's exit handler cannot)."""
+        workers = getattr(self._iterator, "_workers", [])
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+        for worker in workers:
+            worker.join(timeout=10)
+        self._iterator = None
+
+
+@dataclass
+class RunState:
+    """Everything besides model, optimizer and RNG that a resumed run needs to continue exactly."""
+
+    step: int = 0
+    num_tokens: int = 0
+    best_eval_loss: float | None = None
+    evaluations_without_improvement: int = 0
+    best_checkpoint: str | None = None
+
+
+class StopSignals:
+    """SIGTERM / SIGUSR1 (Slurm preemption, `scancel`) set a flag; the loop agrees on it across ranks at
+    the next step boundary, saves and exits, instead of dying mid-step."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+
+def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochBatches, state: RunState, hooks):
     """The optimizer-step loop. Every rank runs the same number of steps and the same collectives."""
-    world_size = accelerator.num_processes
+    world_size, rank = accelerator.num_processes, accelerator.process_index
     total_steps = config.total_steps(world_size)
     min_lr = float(config.lr_scheduler_kwargs.get("min_lr", 0.0))
-    writer = hooks["writer"]
-    progress = tqdm(total=total_steps, disable=not accelerator.is_main_process, desc="train", unit="step")
+    writer, signals = hooks["writer"], hooks["signals"]
+    progress = tqdm(
+        total=total_steps, initial=state.step, disable=not accelerator.is_main_process, desc="train", unit="step"
+    )
     window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, micro-batches, tokens
     window_seconds = 0.0
-    best_eval_loss, evaluations_without_improvement = float("inf"), 0
-    step, stop_reason, num_tokens = 0, "max_steps", 0
-    exhausted = torch.zeros(1, device=accelerator.device)
+    stop_reason = "max_steps"
+    flags = torch.zeros(2, device=accelerator.device)  # [data exhausted, stop signal], max over ranks
+    nonfinite = torch.zeros(world_size, device=accelerator.device)
     model.train()
-    while step < total_steps:
+    while state.step < total_steps:
         micro_batches = batches.take(config.gradient_accumulation_steps)
-        # Ranks hold different shares of the data; stop all of them as soon as one runs dry. One
-        # 1-element all-reduce per optimizer step, on a preallocated tensor.
-        exhausted.fill_(float(micro_batches is None))
-        torch.distributed.all_reduce(exhausted, op=torch.distributed.ReduceOp.MAX)
-        if exhausted.item() > 0:
+        # Ranks hold different shares of the data and receive signals at different moments: one
+        # 2-element all-reduce per optimizer step makes every rank take the same decision.
+        flags[0], flags[1] = float(micro_batches is None), float(signals.received is not None)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        if flags[1] > 0:
+            stop_reason = "stop signal (SIGTERM/SIGUSR1): saved and exited"
+            last = hooks["last_checkpoint"]()
+            if last is None or checkpointing.step_of(last) != state.step:
+                hooks["save"](state)
+            break
+        if flags[0] > 0:
             stop_reason = "end of data"
             break
 
         started = time.perf_counter()
         lr = lr_at_step(
-            step,
+            state.step,
             learning_rate=config.learning_rate,
             warmup_steps=config.warmup_steps,
             total_steps=total_steps,
@@ -221,48 +303,76 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
         )
         for group in optimizer.param_groups:
             group["lr"] = lr
+        step_losses = []
         for index, input_ids in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
             # DeepSpeed scales the loss by 1/accumulation and steps the optimizer on the boundary.
-            accelerator.sync_gradients = index == len(micro_batches) - 1
+            accelerator.sync_gradients = last
             input_ids = input_ids.to(accelerator.device, non_blocking=True)
             loss = model(input_ids=input_ids, labels=input_ids).loss
+            step_losses.append(loss.detach())
+            if last:
+                # Before the backward that steps the optimizer: a NaN/Inf loss on any rank stops all.
+                nonfinite.zero_()
+                nonfinite[rank] = float(not torch.isfinite(torch.stack(step_losses)).all())
+                torch.distributed.all_reduce(nonfinite)
+                if nonfinite.any():
+                    ranks = [r for r in range(world_size) if nonfinite[r] > 0]
+                    raise TrainingFault(
+                        f"non-finite loss at step {state.step + 1} on rank(s) {ranks}; the optimizer did not step. "
+                        f"Last good checkpoint: {hooks['last_checkpoint']() or 'none'}"
+                    )
             accelerator.backward(loss)
             window[0] += loss.detach().double()
             window[1] += 1
             window[2] += input_ids.numel()
-        step += 1
+        state.step += 1
         window_seconds += time.perf_counter() - started
         progress.update(1)
+        grad_norm = model.get_global_grad_norm()
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            # The same norm on every rank, so every rank raises here. DeepSpeed skips such an update in
+            # its overflow check, but a run whose gradients blew up needs a person, not another step.
+            raise TrainingFault(
+                f"non-finite gradient norm at step {state.step}: stopping without saving. "
+                f"Last good checkpoint: {hooks['last_checkpoint']() or 'none'}"
+            )
 
-        if step % config.logging_steps == 0 or step == total_steps:
+        if state.step % config.logging_steps == 0 or state.step == total_steps:
             record = log_window(config, accelerator, model, window, window_seconds, lr, hooks["flops_per_token"])
-            num_tokens += record.pop("window_tokens")
-            record["num_tokens"] = num_tokens
-            writer.write(step, record)
+            state.num_tokens += record.pop("window_tokens")
+            record["num_tokens"] = state.num_tokens
+            writer.write(state.step, record)
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             window.zero_()
             window_seconds = 0.0
 
-        if hooks["validation_rows"] is not None and (step % config.eval_steps == 0 or step == total_steps):
+        evaluate = state.step % config.eval_steps == 0 or state.step == total_steps
+        if hooks["validation_rows"] is not None and evaluate:
             eval_loss = validation_loss(model, accelerator, hooks["validation_rows"], config.per_device_eval_batch_size)
-            writer.write(step, {"eval_loss": eval_loss})
-            logger.info("step %d: eval_loss %.4f", step, eval_loss)
+            writer.write(state.step, {"eval_loss": eval_loss})
+            logger.info("step %d: eval_loss %.4f", state.step, eval_loss)
             # eval_loss is all-reduced, so every rank takes the same early-stopping decision.
-            if eval_loss < best_eval_loss - config.early_stopping_threshold:
-                best_eval_loss, evaluations_without_improvement = eval_loss, 0
-            else:
-                evaluations_without_improvement += 1
-            if config.early_stopping_patience and evaluations_without_improvement >= config.early_stopping_patience:
+            best = state.best_eval_loss
+            if best is None or eval_loss < best - config.early_stopping_threshold:
+                state.best_eval_loss, state.evaluations_without_improvement = eval_loss, 0
+                state.best_checkpoint = f"checkpoint-{state.step}"
+                hooks["save"](state)  # the best model is always on disk, and protected from rotation
+                continue
+            state.evaluations_without_improvement += 1
+            patience = config.early_stopping_patience
+            if patience and state.evaluations_without_improvement >= patience:
                 stop_reason = (
-                    f"early stopping: no eval_loss improvement in {evaluations_without_improvement} evaluations"
+                    f"early stopping: no eval_loss improvement in {state.evaluations_without_improvement} "
+                    f"evaluations (best {state.best_eval_loss:.4f} at {state.best_checkpoint})"
                 )
-                hooks["save"](step)
+                hooks["save"](state)
                 break
 
-        if step % config.save_steps == 0 or step == total_steps:
-            hooks["save"](step)
+        if state.step % config.save_steps == 0 or state.step == total_steps:
+            hooks["save"](state)
     progress.close()
-    return {"steps": step, "stop_reason": stop_reason, "best_eval_loss": best_eval_loss}
+    return stop_reason
 
 
 def log_window(config, accelerator, model, window, window_seconds, lr, flops_per_token) -> dict:
@@ -314,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer, model_config, attn_implementation, train_sources, validation_sources = preflight(
             config, accelerator, ds_config
         )
-    except (ConfigError, FileNotFoundError, ValueError) as error:
+        resumed_from = find_checkpoint(config, accelerator)
+        # From here on a preemption signal waits for the loop's next step boundary instead of killing.
+        signals = StopSignals()
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr)
         return 2
@@ -324,11 +437,13 @@ def main(argv: list[str] | None = None) -> int:
         output_dir.mkdir(parents=True, exist_ok=True)
         checkpointing.write_resolved_config(output_dir, config.to_dict())
         (output_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, default=str))
-    from accelerate.utils import set_seed
+    from accelerate.utils import gather_object, set_seed
 
     set_seed(config.seed)
 
     batches = EpochBatches(build_train_loader(config, train_sources, tokenizer, accelerator), config.num_train_epochs)
+    # Registered after multiprocessing's own exit handler, so it runs first (atexit is last-in, first-out).
+    atexit.register(batches.close)
     validation_rows = None
     if validation_sources:
         validation_rows = load_validation_rows(
@@ -354,15 +469,26 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = build_optimizer(model, config, deepspeed_config.offloads_optimizer(ds_config))
     model, optimizer = accelerator.prepare(model, optimizer)
 
+    state = RunState()
+    if resumed_from:
+        restore(resumed_from, accelerator, batches, state, output_dir)
     writer = metrics.MetricsWriter(output_dir, accelerator.is_main_process, config.prometheus_port)
+    last_checkpoint: list[Path] = [resumed_from] if resumed_from else []
 
-    def save(step: int) -> None:
-        rows = accelerator.gather(torch.tensor([batches.rows_consumed], device=accelerator.device)).tolist()
-        state = {"rows_consumed_per_rank": rows, "epoch": batches.epoch, "world_size": accelerator.num_processes}
-        path = checkpointing.save_checkpoint(accelerator, output_dir, step, state, config.to_dict())
-        checkpointing.rotate_checkpoints(accelerator, output_dir, config.save_total_limit)
-        writer.write(step, {"last_checkpoint_step": step})
-        logger.info("step %d: saved %s", step, path)
+    def save(state: RunState) -> None:
+        positions = gather_object([batches.position()])
+        data_position = {
+            "per_rank": positions,
+            "world_size": accelerator.num_processes,
+            "dataloader_num_workers": config.dataloader_num_workers,
+        }
+        extra = {"run_state": asdict(state), "data_position": data_position}
+        path = checkpointing.save_checkpoint(accelerator, output_dir, state.step, extra, config.to_dict())
+        best = output_dir / state.best_checkpoint if state.best_checkpoint else None
+        checkpointing.rotate_checkpoints(accelerator, output_dir, config.save_total_limit, best)
+        last_checkpoint[:] = [path]
+        writer.write(state.step, {"last_checkpoint_step": state.step})
+        logger.info("step %d: saved %s", state.step, path)
 
     hooks = {
         "flops_per_token": training_flops_per_token(
@@ -371,16 +497,33 @@ def main(argv: list[str] | None = None) -> int:
         "validation_rows": validation_rows,
         "save": save,
         "writer": writer,
+        "signals": signals,
+        "last_checkpoint": lambda: last_checkpoint[0] if last_checkpoint else None,
     }
-    result = train(config, accelerator, model, optimizer, batches, hooks)
-    logger.info("training stopped after %d steps: %s", result["steps"], result["stop_reason"])
+    try:
+        stop_reason = train(config, accelerator, model, optimizer, batches, state, hooks)
+    except TrainingFault as error:
+        logger.error("%s", error)
+        writer.close()
+        return 3
+    logger.info("training stopped after %d steps: %s", state.step, stop_reason)
+    if stop_reason.startswith("stop signal"):
+        writer.close()
+        return 0
+    if stop_reason.startswith("early stopping") and state.best_checkpoint:
+        logger.info("exporting the best checkpoint, %s, to final/", state.best_checkpoint)
+        accelerator.load_state(str(output_dir / state.best_checkpoint))  # collective
 
     final_dir = checkpointing.export_final(accelerator, model, tokenizer, output_dir, config.to_dict())
     peaks = accelerator.gather(torch.tensor([metrics.peak_host_memory_gb()], device=accelerator.device)).tolist()
     if accelerator.is_main_process:
         metrics.plot_losses(output_dir / "metrics.jsonl", output_dir / "loss.png")
         summary = {
-            **result,
+            "steps": state.step,
+            "stop_reason": stop_reason,
+            "best_eval_loss": state.best_eval_loss,
+            "best_checkpoint": state.best_checkpoint,
+            "resumed_from": str(resumed_from) if resumed_from else None,
             "wall_seconds": time.perf_counter() - run_started,
             "num_parameters": num_params,
             "peak_host_memory_gb_per_rank": peaks,
@@ -394,6 +537,44 @@ def main(argv: list[str] | None = None) -> int:
     writer.close()
     accelerator.end_training()
     return 0
+
+
+def find_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
+    """The checkpoint to resume from, checked against this launch before any model is built."""
+    path, notes = checkpointing.find_resume_checkpoint(config.output_dir, config.resume_from_checkpoint)
+    for note in notes:
+        logger.warning("resume: %s", note)
+    if path is None:
+        logger.info("resume: starting from scratch (resume_from_checkpoint=%s)", config.resume_from_checkpoint)
+        return None
+    manifest = checkpointing.read_manifest(path)
+    if manifest["world_size"] != accelerator.num_processes:
+        raise CheckpointError(
+            f"{path} was written by {manifest['world_size']} processes, this launch has "
+            f"{accelerator.num_processes}. ZeRO-3 shards are per rank: convert it with DeepSpeed's universal "
+            f"checkpoint (python -m deepspeed.checkpoint.ds_to_universal --input_folder {path}/pytorch_model "
+            "--output_folder <dir>) or relaunch on the original number of processes"
+        )
+    workers = manifest["data_position"]["dataloader_num_workers"]
+    if workers != config.dataloader_num_workers:
+        raise CheckpointError(
+            f"{path} was written with dataloader_num_workers={workers}; the data position depends on it, so "
+            f"resume with the same value (this launch: {config.dataloader_num_workers})"
+        )
+    return path
+
+
+def restore(path: Path, accelerator, batches: EpochBatches, state: RunState, output_dir: Path) -> None:
+    """Model, optimizer, RNG states, run state and data position, exactly as they were at the save."""
+    accelerator.load_state(str(path))  # collective: every rank loads its own shards and RNG states
+    saved = json.loads((path / "trainer_state.json").read_text())["run_state"]
+    for key, value in saved.items():
+        setattr(state, key, value)
+    position = checkpointing.read_manifest(path)["data_position"]["per_rank"][accelerator.process_index]
+    batches.restore(position["epoch"], position["rows_consumed"])
+    if accelerator.is_main_process:
+        metrics.truncate_metrics(output_dir / "metrics.jsonl", after_step=state.step)
+    logger.info("resume: continuing from %s at step %d", path, state.step)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ real multi-process DeepSpeed runs on the CPU."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,7 +57,17 @@ def launch(script: str | Path, args: list[str], num_processes: int = 2, timeout_
         *args,
     ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    # A session of its own, so that a hung run's ranks die with the launcher instead of lingering.
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"timed out after {timeout_s} s:\n{stderr[-4000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def tiny_overrides(corpus: dict[str, Path], output_dir: Path, **extra) -> list[str]:

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipes import pretrain
+from recipes.checkpointing import verify_checksums
 from recipes.config import load_config
 from recipes.metrics import read_metrics
 from recipes.schedule import lr_at_step
@@ -94,9 +95,12 @@ def test_checkpoints_are_complete_and_rotated(run):
     assert checkpoints == ["checkpoint-30", "checkpoint-40"]
     assert not list(run["dir"].glob(".checkpoint-*")), "no staging directory is left behind"
     latest = run["dir"] / "checkpoint-40"
-    state = json.loads((latest / "trainer_state.json").read_text())
+    manifest = json.loads((latest / "manifest.json").read_text())
     rows_per_rank = STEPS * 8 * 2  # steps x micro-batch x accumulation
-    assert state["global_step"] == STEPS and state["rows_consumed_per_rank"] == [rows_per_rank, rows_per_rank]
+    assert manifest["step"] == STEPS and manifest["world_size"] == 2
+    assert [p["rows_consumed"] for p in manifest["data_position"]["per_rank"]] == [rows_per_rank] * 2
+    assert verify_checksums(latest) == [] and len(manifest["files"]) >= 6
+    assert (run["dir"] / "latest").read_text().strip() == "checkpoint-40"
     shards = sorted(p.name for p in (latest / "pytorch_model").iterdir())
     assert any("zero_pp_rank_1" in name for name in shards), "each rank wrote its own ZeRO-3 shard"
     assert (latest / "config.yaml").exists() and (latest / "random_states_1.pkl").exists()

@@ -1,0 +1,85 @@
+"""Checkpoint selection, validation and rotation on directories made here (no training needed)."""
+
+import json
+
+import pytest
+
+from recipes.checkpointing import (
+    CheckpointError,
+    checkpoints_to_delete,
+    find_resume_checkpoint,
+    manifest_problems,
+    owned_files,
+    sha256_of,
+    verify_checksums,
+)
+
+
+def make_checkpoint(root, step, complete=True, payload=b"weights"):
+    directory = root / f"checkpoint-{step}"
+    (directory / "pytorch_model").mkdir(parents=True)
+    shard = directory / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    shard.write_bytes(payload)
+    if complete:
+        files = {"pytorch_model/" + shard.name: {"bytes": len(payload), "sha256": sha256_of(shard)}}
+        manifest = {"step": step, "world_size": 1, "data_position": None, "files": files}
+        (directory / "manifest.json").write_text(json.dumps(manifest))
+    return directory
+
+
+def test_auto_picks_the_newest_complete_checkpoint(tmp_path):
+    make_checkpoint(tmp_path, 100)
+    make_checkpoint(tmp_path, 200)
+    make_checkpoint(tmp_path, 300, complete=False)  # killed before its manifest was written
+    (tmp_path / ".checkpoint-400.tmp").mkdir()
+    path, notes = find_resume_checkpoint(tmp_path, "auto")
+    assert path.name == "checkpoint-200"
+    assert notes and "checkpoint-300" in notes[0] and "no manifest.json" in notes[0]
+    assert find_resume_checkpoint(tmp_path, "none") == (None, [])
+    assert find_resume_checkpoint(tmp_path / "empty", "auto") == (None, [])
+
+
+def test_a_truncated_shard_is_caught(tmp_path):
+    directory = make_checkpoint(tmp_path, 100)
+    shard = next((directory / "pytorch_model").iterdir())
+    shard.write_bytes(b"weig")
+    assert "manifest says 7" in manifest_problems(directory)[0]
+    with pytest.raises(CheckpointError, match="cannot resume from the requested checkpoint"):
+        find_resume_checkpoint(tmp_path, str(directory))
+    path, notes = find_resume_checkpoint(tmp_path, "auto")
+    assert path is None and "bytes" in notes[0]
+
+
+def test_checksums_detect_corruption_of_the_same_size(tmp_path):
+    directory = make_checkpoint(tmp_path, 100)
+    assert verify_checksums(directory) == []
+    next((directory / "pytorch_model").iterdir()).write_bytes(b"WEIGHTS")
+    assert manifest_problems(directory) == [] and len(verify_checksums(directory)) == 1
+
+
+def test_rotation_keeps_two_and_protects_the_best(tmp_path):
+    checkpoints = [tmp_path / f"checkpoint-{s}" for s in (100, 200, 300, 400, 500)]
+    assert checkpoints_to_delete(checkpoints, None) == []
+    assert checkpoints_to_delete(checkpoints, 3) == checkpoints[:2]
+    assert checkpoints_to_delete(checkpoints, 1) == checkpoints[:3], "never fewer than two kept"
+    assert checkpoints_to_delete(checkpoints, 2, protected=checkpoints[0]) == checkpoints[1:3], "best kept on top"
+    assert checkpoints_to_delete(checkpoints, 2, protected=checkpoints[4]) == checkpoints[:3]
+
+
+def test_every_file_is_hashed_by_exactly_one_rank(tmp_path):
+    for name in [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "trainer_state.json",
+    ]:
+        (tmp_path / name).write_text("x")
+    rank0, rank1 = owned_files(tmp_path, 0, 2), owned_files(tmp_path, 1, 2)
+    assert {p.name for p in rank1} == {
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "random_states_1.pkl",
+    }
+    assert len(rank0) + len(rank1) == 6 and not set(rank0) & set(rank1)

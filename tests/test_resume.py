@@ -1,0 +1,192 @@
+"""Kill a real 2-process ZeRO-3 run with SIGKILL at an arbitrary moment, relaunch the same command,
+and require every logged loss to equal an uninterrupted run's, bit for bit."""
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from recipes.metrics import read_metrics
+from recipes.validation import load_validation_rows
+from tests.conftest import CPU_ACCELERATE_CONFIG, REPO, free_port, launch, tiny_overrides
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 16
+
+
+def run_args(corpus, output_dir):
+    return tiny_overrides(
+        corpus,
+        output_dir,
+        max_steps=STEPS,
+        save_steps=4,
+        save_total_limit=2,
+        logging_steps=1,
+        eval_steps=8,
+        max_eval_samples=16,
+        warmup_steps=4,
+    )
+
+
+def losses(output_dir):
+    records = read_metrics(output_dir / "metrics.jsonl")
+    train = {r["step"]: r["loss"] for r in records if "loss" in r}
+    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    return train, evals
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus):
+    output_dir = tmp_path_factory.mktemp("uninterrupted")
+    result = launch(REPO / "recipes/pretrain.py", run_args(corpus, output_dir))
+    assert result.returncode == 0, result.stderr[-4000:]
+    train, _ = losses(output_dir)
+    assert sorted(train) == list(range(1, STEPS + 1))
+    return output_dir
+
+
+def test_sigkill_anywhere_then_relaunch_is_bit_exact(tmp_path, corpus, uninterrupted):
+    output_dir = tmp_path / "killed"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_ACCELERATE_CONFIG),
+        "--main_process_port", str(free_port()), str(REPO / "recipes/pretrain.py"), *run_args(corpus, output_dir),
+    ]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    victim = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 300
+    while not (output_dir / "latest").exists() and victim.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    delay = random.uniform(0.0, 2.5)  # somewhere in the next steps, possibly inside a save
+    time.sleep(delay)
+    killed = victim.poll() is None
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    published_at_kill = (output_dir / "latest").read_text().strip()
+
+    result = launch(REPO / "recipes/pretrain.py", run_args(corpus, output_dir))
+    assert result.returncode == 0, result.stderr[-4000:]
+    if killed:
+        # The newest complete checkpoint: the one `latest` named, or a newer one whose rename landed
+        # just before the kill and the pointer update did not.
+        resumed = re.search(r"resume: continuing from .*checkpoint-(\d+) at step", result.stderr)
+        assert resumed and int(resumed.group(1)) >= int(published_at_kill.split("-")[1])
+    expected_train, expected_evals = losses(uninterrupted)
+    train, evals = losses(output_dir)
+    assert train == expected_train, f"killed {delay:.2f} s after the first checkpoint"
+    assert evals == expected_evals
+    state = json.loads((output_dir / "run_summary.json").read_text())
+    assert state["steps"] == STEPS
+
+
+def test_negative_control_without_the_data_position_diverges(tmp_path, uninterrupted, corpus):
+    """Same checkpoint, data position reset to the start: the losses after the resume must differ,
+    which shows the comparison above can fail."""
+    output_dir = tmp_path / "reset"
+    shutil.copytree(uninterrupted, output_dir)
+    shutil.rmtree(output_dir / f"checkpoint-{STEPS}")
+    manifest_path = output_dir / "checkpoint-12" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for position in manifest["data_position"]["per_rank"]:
+        position["rows_consumed"] = 0
+    manifest_path.write_text(json.dumps(manifest))
+
+    result = launch(REPO / "recipes/pretrain.py", run_args(corpus, output_dir))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resume: continuing from" in result.stderr and "checkpoint-12 at step 12" in result.stderr
+    expected_train, _ = losses(uninterrupted)
+    train, _ = losses(output_dir)
+    assert all(train[s] == expected_train[s] for s in range(1, 13)), "history up to the checkpoint is kept"
+    assert all(train[s] != expected_train[s] for s in range(13, STEPS + 1))
+
+
+def test_a_requested_checkpoint_that_is_incomplete_is_an_error(tmp_path, uninterrupted, corpus):
+    broken = tmp_path / "checkpoint-4"
+    shutil.copytree(uninterrupted / "checkpoint-12", broken)
+    (broken / "manifest.json").unlink()
+    result = launch(REPO / "recipes/pretrain.py", [*run_args(corpus, tmp_path / "out"), "--resume", str(broken)])
+    assert result.returncode != 0
+    assert "cannot resume from the requested checkpoint" in result.stderr and "has no manifest.json" in result.stderr
+    assert "parameters; this rank holds" not in result.stderr
+
+
+RANK_PATTERN = re.search(r"RANK_PATTERN='([^']+)'", (REPO / "scripts/slurm/run.sh").read_text()).group(1)
+
+
+@pytest.mark.parametrize("how", ["preemption: SIGTERM to every process", "time limit: USR1 to the ranks"])
+def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, how):
+    output_dir = tmp_path / "preempted"
+    log_path = tmp_path / "log.txt"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_ACCELERATE_CONFIG),
+        "--main_process_port", str(free_port()), str(REPO / "recipes/pretrain.py"),
+        *run_args(corpus, output_dir), "--max_steps", "400", "--save_steps", "100",
+    ]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.time() + 300
+        while "INFO pretrain: loss" not in log_path.read_text() and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        if how.startswith("preemption"):
+            os.killpg(job.pid, signal.SIGTERM)  # Slurm's preemption signals every process of the job
+        else:  # what scripts/slurm/run.sh does before the time limit, narrowed to this test's run
+            subprocess.run(["pkill", "-USR1", "-f", "--", f"{RANK_PATTERN}.*{output_dir}"], check=True)
+        job.wait(timeout=120)
+    log = log_path.read_text()
+    if how.startswith("time limit"):  # under preemption torchrun itself is signalled and exits non-zero
+        assert job.returncode == 0, log[-3000:]
+    assert "stop signal (SIGTERM/SIGUSR1): saved and exited" in log, log[-3000:]
+    step = int(re.search(r"training stopped after (\d+) steps", log).group(1))
+    assert 0 < step < 400
+    assert (output_dir / "latest").read_text().strip() == f"checkpoint-{step}"
+    assert not (output_dir / "final").exists(), "a preempted run is continued, not exported"
+
+
+def test_early_stopping_exports_the_best_checkpoint(tmp_path, corpus):
+    # A threshold no evaluation can beat: the first evaluation is the best, the next one stops the run.
+    args = tiny_overrides(
+        corpus, tmp_path, max_steps=40, eval_steps=4, save_steps=100, logging_steps=4, max_eval_samples=16,
+        early_stopping_patience=1, early_stopping_threshold=100.0,
+    )  # fmt: skip
+    result = launch(REPO / "recipes/pretrain.py", args)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    assert summary["steps"] == 8 and summary["stop_reason"].startswith("early stopping")
+    assert summary["best_checkpoint"] == "checkpoint-4"
+    assert "exporting the best checkpoint, checkpoint-4, to final/" in result.stderr
+    assert (tmp_path / "checkpoint-4").exists() and (tmp_path / "checkpoint-8").exists()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32).eval()
+    rows = load_validation_rows(
+        [str(corpus["validation"])], AutoTokenizer.from_pretrained(tmp_path / "final"), 128, "text", 16
+    )
+    with torch.no_grad():
+        loss = model(input_ids=rows, labels=rows).loss.item()
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_loss" in r}
+    assert loss == pytest.approx(evals[4], abs=0.03) and abs(loss - evals[8]) > 0.03
+
+
+def test_a_blown_up_run_stops_every_rank_without_saving(tmp_path, corpus):
+    args = tiny_overrides(
+        corpus, tmp_path, max_steps=30, learning_rate="1e4", lr_scheduler_kwargs="{min_lr: 1e4}", warmup_steps=0,
+        max_grad_norm="1e9", logging_steps=1, save_steps=1,
+    )  # fmt: skip
+    result = launch(REPO / "recipes/pretrain.py", args)
+    assert result.returncode != 0
+    assert re.search(r"non-finite (loss|gradient norm) at step (\d+)", result.stderr)
+    step = int(re.search(r"non-finite (?:loss|gradient norm) at step (\d+)", result.stderr).group(1))
+    published = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*"))
+    assert all(s < step for s in published), "nothing from the faulty step is saved"
+    assert f"Last good checkpoint: {tmp_path / f'checkpoint-{step - 1}'}" in result.stderr or step == 1
