@@ -41,9 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script: str | Path, args: list[str], num_processes: int = 2, timeout_s: int = 600):
-    """`accelerate launch` with the CPU ZeRO-3 config; returns the finished process (output captured)."""
-    command = [
+def launch_command(script: str | Path, args: list[str], num_processes: int = 2) -> list[str]:
+    """`accelerate launch` with the CPU ZeRO-3 config on a free port."""
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -56,11 +56,20 @@ def launch(script: str | Path, args: list[str], num_processes: int = 2, timeout_
         str(script),
         *args,
     ]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    # A session of its own, so that a hung run's ranks die with the launcher instead of lingering.
-    process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+
+
+LAUNCH_ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+
+
+def start(command: list[str], **kwargs) -> subprocess.Popen:
+    """A launch in a session of its own, so that killing its group reaches every rank and worker."""
+    return subprocess.Popen(command, cwd=REPO, env=LAUNCH_ENV, text=True, start_new_session=True, **kwargs)
+
+
+def launch(script: str | Path, args: list[str], num_processes: int = 2, timeout_s: int = 600):
+    """Run a launch to the end; returns the finished process (output captured). A hung run is killed whole."""
+    command = launch_command(script, args, num_processes)
+    process = start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -8,7 +8,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipes.metrics import read_metrics
 from recipes.validation import load_validation_rows
-from tests.conftest import CPU_ACCELERATE_CONFIG, REPO, free_port, launch, tiny_overrides
+from tests.conftest import REPO, launch, launch_command, start, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess
 
@@ -57,14 +56,8 @@ def uninterrupted(tmp_path_factory, corpus):
 
 def test_sigkill_anywhere_then_relaunch_is_bit_exact(tmp_path, corpus, uninterrupted):
     output_dir = tmp_path / "killed"
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_ACCELERATE_CONFIG),
-        "--main_process_port", str(free_port()), str(REPO / "recipes/pretrain.py"), *run_args(corpus, output_dir),
-    ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    victim = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    command = launch_command(REPO / "recipes/pretrain.py", run_args(corpus, output_dir))
+    victim = start(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not (output_dir / "latest").exists() and victim.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -128,14 +121,9 @@ RANK_PATTERN = re.search(r"RANK_PATTERN='([^']+)'", (REPO / "scripts/slurm/run.s
 def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, how):
     output_dir = tmp_path / "preempted"
     log_path = tmp_path / "log.txt"
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_ACCELERATE_CONFIG),
-        "--main_process_port", str(free_port()), str(REPO / "recipes/pretrain.py"),
-        *run_args(corpus, output_dir), "--max_steps", "400", "--save_steps", "100",
-    ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    args = [*run_args(corpus, output_dir), "--max_steps", "400", "--save_steps", "100"]
     with open(log_path, "w") as log:
-        job = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True)
+        job = start(launch_command(REPO / "recipes/pretrain.py", args), stdout=log, stderr=log)
         deadline = time.time() + 300
         while "INFO pretrain: loss" not in log_path.read_text() and time.time() < deadline:
             time.sleep(0.1)
