@@ -45,6 +45,7 @@ def worker(steps: int, repeats: int, output: str) -> None:
     from recipes.metrics import MetricsWriter
     from recipes.model import build_model, build_optimizer, llama_config, training_flops_per_token
     from recipes.pretrain import configure_logging, setup_distributed, train
+    from recipes.run_state import RunState, StopSignals
 
     run_dir = tempfile.mkdtemp(prefix="step_overhead_")
     config = load_config(
@@ -64,8 +65,10 @@ def worker(steps: int, repeats: int, output: str) -> None:
     hooks = {
         "flops_per_token": training_flops_per_token(1, 1, 1, 1),
         "validation_rows": None,
-        "save": lambda step: None,
+        "save": lambda state: None,
         "writer": writer,
+        "signals": StopSignals(),
+        "last_checkpoint": lambda: None,
     }
 
     def bare() -> None:
@@ -76,7 +79,7 @@ def worker(steps: int, repeats: int, output: str) -> None:
                 accelerator.backward(model(input_ids=input_ids, labels=input_ids).loss)
 
     def recipe() -> None:
-        train(config, accelerator, model, optimizer, FixedBatches(micro_batches), hooks)
+        train(config, accelerator, model, optimizer, FixedBatches(micro_batches), RunState(), hooks)
 
     timings: dict[str, list[float]] = {"bare": [], "recipe": []}
     bare()  # warm-up: allocations, DeepSpeed's first-step setup

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -158,6 +159,26 @@ def hardware_from(config: PretrainConfig, **overrides) -> Hardware:
     if not 0 < hardware.mfu <= 1:
         raise ConfigError(f"--mfu {hardware.mfu} must lie in (0, 1]")
     return hardware
+
+
+def live_hardware(config: PretrainConfig, world_size: int) -> Hardware:
+    """The hardware this launch runs on. Without CUDA the recipe's `hardware.gpu_memory_gb` stands in
+    for device memory (unset: no device-memory check), so CPU rehearsals can exercise the refusal."""
+    import psutil
+    import torch
+
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if torch.cuda.is_available():
+        gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    else:
+        gpu_memory_gb = config.hardware.get("gpu_memory_gb")
+    return hardware_from(
+        config,
+        gpus=world_size,
+        nodes=max(1, world_size // gpus_per_node),
+        gpu_memory_gb=gpu_memory_gb,
+        host_memory_gb=psutil.virtual_memory().total / 1e9,
+    )
 
 
 def _zero(ds_config: dict[str, Any]) -> dict[str, Any]:

@@ -15,17 +15,15 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by `accelerate launch recipes/pretrain.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import psutil
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -46,15 +44,12 @@ from recipes.model import (
     local_parameter_elements,
     training_flops_per_token,
 )
-from recipes.plan import Hardware, format_plan, hardware_from, make_plan
+from recipes.plan import format_plan, live_hardware, make_plan
+from recipes.run_state import EpochBatches, RunState, StopSignals, TrainingFault, ignore_stop_signals
 from recipes.schedule import lr_at_step
 from recipes.validation import load_validation_rows, validation_loss
 
 logger = logging.getLogger("pretrain")
-
-
-class TrainingFault(RuntimeError):
-    """A fault that stops every rank (non-finite loss or gradient norm); the message says where."""
 
 
 def parse_args(argv: list[str] | None = None) -> PretrainConfig:
@@ -106,23 +101,6 @@ def configure_logging(accelerator) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
 
 
-def live_hardware(config: PretrainConfig, world_size: int) -> Hardware:
-    """The hardware this launch runs on. Without CUDA the recipe's `hardware.gpu_memory_gb` stands in
-    for device memory (unset: no device-memory check), so CPU rehearsals can exercise the refusal."""
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if torch.cuda.is_available():
-        gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-    else:
-        gpu_memory_gb = config.hardware.get("gpu_memory_gb")
-    return hardware_from(
-        config,
-        gpus=world_size,
-        nodes=max(1, world_size // gpus_per_node),
-        gpu_memory_gb=gpu_memory_gb,
-        host_memory_gb=psutil.virtual_memory().total / 1e9,
-    )
-
-
 def preflight(config: PretrainConfig, accelerator, ds_config):
     """Everything that can be wrong with the inputs, checked before the model costs anything."""
     train_sources = resolve_sources(config.train_files, "train_files")
@@ -171,94 +149,6 @@ def build_train_loader(config: PretrainConfig, sources: list[str], tokenizer, ac
         drop_last=True,
         worker_init_fn=ignore_stop_signals,
     )
-
-
-def ignore_stop_signals(worker_id: int) -> None:
-    """Dataloader workers leave preemption signals to their rank: Slurm signals every process of the job,
-    and a worker dying of SIGTERM would kill the rank before it can save. Since multiprocessing stops
-    workers with SIGTERM at exit, the rank kills them itself (`EpochBatches.close`)."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-
-
-class EpochBatches:
-    """Micro-batches over `num_train_epochs` passes; its position (epoch, rows consumed in it) is
-    part of the training state, and `restore` puts a fresh loader back at a saved position."""
-
-    def __init__(self, loader: DataLoader, num_epochs: int):
-        self.loader = loader
-        self.num_epochs = num_epochs
-        self.epoch = 0
-        self.rows_consumed = 0  # in the current epoch, by this rank
-        self._iterator = iter(loader)
-
-    def take(self, count: int) -> list[torch.Tensor] | None:
-        """`count` micro-batches, or None when this rank has no more data."""
-        batches = []
-        while len(batches) < count:
-            try:
-                batch = next(self._iterator)["input_ids"]
-            except StopIteration:
-                if self.epoch + 1 >= self.num_epochs:
-                    return None
-                self.epoch += 1
-                self.rows_consumed = 0
-                self._iterator = iter(self.loader)
-                continue
-            self.rows_consumed += len(batch)
-            batches.append(batch)
-        return batches
-
-    def restore(self, epoch: int, rows_consumed: int) -> None:
-        """Skip to a saved position. Raw-text streams are deterministic, so reading past the consumed
-        rows reproduces the exact next batch; the cost grows with the position (preprocessed data seeks)."""
-        self.epoch, self.rows_consumed = epoch, 0
-        self._iterator = iter(self.loader)
-        while self.rows_consumed < rows_consumed:
-            try:
-                self.rows_consumed += len(next(self._iterator)["input_ids"])
-            except StopIteration:
-                raise CheckpointError(
-                    f"the data ended after {self.rows_consumed} rows while restoring position {rows_consumed}: "
-                    "train_files changed since the checkpoint was written"
-                ) from None
-
-    def position(self) -> dict:
-        return {"epoch": self.epoch, "rows_consumed": self.rows_consumed}
-
-    def close(self) -> None:
-        """Stop the dataloader workers (they ignore SIGTERM, so multiprocessing's exit handler cannot)."""
-        workers = getattr(self._iterator, "_workers", [])
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-        for worker in workers:
-            worker.join(timeout=10)
-        self._iterator = None
-
-
-@dataclass
-class RunState:
-    """Everything besides model, optimizer and RNG that a resumed run needs to continue exactly."""
-
-    step: int = 0
-    num_tokens: int = 0
-    best_eval_loss: float | None = None
-    evaluations_without_improvement: int = 0
-    best_checkpoint: str | None = None
-
-
-class StopSignals:
-    """SIGTERM / SIGUSR1 (Slurm preemption, `scancel`) set a flag; the loop agrees on it across ranks at
-    the next step boundary, saves and exits, instead of dying mid-step."""
-
-    def __init__(self):
-        self.received: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = signum
 
 
 def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochBatches, state: RunState, hooks):
