@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes.config import ConfigError, PretrainConfig, load_config, validate_for_world
+from recipes.config import MODEL_CONFIG_KEYS, ConfigError, PretrainConfig, load_config, validate_for_world
 
 GB = 1e9
 DEFAULT_DEEPSPEED_JSON = Path(__file__).resolve().parent.parent / "accelerate_configs" / "deepspeed" / "zero3.json"
@@ -118,28 +118,17 @@ def resolve_vocab_size(config: PretrainConfig, warnings: list[str]) -> int:
     return ASSUMED_VOCAB_SIZE
 
 
-SHAPE_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "tie_word_embeddings",
-)
-
-
 def model_shape(config: PretrainConfig, warnings: list[str]) -> dict[str, Any]:
     """The Llama shape: `model_config`, or the config.json of a local `model_name_or_path`."""
     if not config.model_name_or_path:
-        return {k: v for k, v in config.model_config.items() if k in SHAPE_KEYS}
+        return dict(config.model_config)
     from transformers import AutoConfig
 
     try:
         loaded = AutoConfig.from_pretrained(config.model_name_or_path)
     except OSError as error:
         raise ConfigError(f"model_name_or_path {config.model_name_or_path}: cannot read its config ({error})") from None
-    return {k: getattr(loaded, k) for k in SHAPE_KEYS if getattr(loaded, k, None) is not None}
+    return {k: getattr(loaded, k) for k in MODEL_CONFIG_KEYS if getattr(loaded, k, None) is not None}
 
 
 def hardware_from(config: PretrainConfig, **overrides) -> Hardware:
