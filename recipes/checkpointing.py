@@ -192,9 +192,12 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict[
 def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: int | None, best: Path | None):
     """Delete the oldest complete checkpoints beyond the limit; incomplete leftovers of killed saves too."""
     output_dir = Path(output_dir)
-    complete = [p for p in checkpoint_dirs(output_dir) if not manifest_problems(p)]
-    doomed = checkpoints_to_delete(complete, save_total_limit, best)
+    doomed: list[Path] = []
+    # Only the main process scans: another rank listing the directory while it is being deleted
+    # would trip over vanishing files.
     if accelerator.is_main_process:
+        complete = [p for p in checkpoint_dirs(output_dir) if not manifest_problems(p)]
+        doomed = checkpoints_to_delete(complete, save_total_limit, best)
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
         newest = complete[-1] if complete else None
