@@ -71,9 +71,14 @@ def resolve_deepspeed_config(ds_config: dict[str, Any], config: PretrainConfig, 
     return resolved
 
 
-def offloads_optimizer(ds_config: dict[str, Any]) -> bool:
-    device = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+def offloads(ds_config: dict[str, Any], what: str) -> bool:
+    """Whether ZeRO offloads `what` ("optimizer" or "param") to the host."""
+    device = ds_config.get("zero_optimization", {}).get(f"offload_{what}", {}).get("device", "none")
     return device not in (None, "none")
+
+
+def offloads_optimizer(ds_config: dict[str, Any]) -> bool:
+    return offloads(ds_config, "optimizer")
 
 
 def launched_config_path() -> str | None:

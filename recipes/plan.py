@@ -23,7 +23,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes.config import MODEL_CONFIG_KEYS, ConfigError, PretrainConfig, load_config, validate_for_world
+from recipes.config import (
+    MODEL_CONFIG_KEYS,
+    ConfigError,
+    PretrainConfig,
+    load_config,
+    validate_for_world,
+    warmup_fraction,
+)
+from recipes.deepspeed_config import load_deepspeed_json, offloads
 
 GB = 1e9
 DEFAULT_DEEPSPEED_JSON = Path(__file__).resolve().parent.parent / "accelerate_configs" / "deepspeed" / "zero3.json"
@@ -170,14 +178,6 @@ def live_hardware(config: PretrainConfig, world_size: int) -> Hardware:
     )
 
 
-def _zero(ds_config: dict[str, Any]) -> dict[str, Any]:
-    return ds_config.get("zero_optimization", {})
-
-
-def _offloaded(zero: dict[str, Any], key: str) -> bool:
-    return zero.get(key, {}).get("device", "none") not in (None, "none")
-
-
 def make_plan(
     config: PretrainConfig,
     hardware: Hardware,
@@ -198,8 +198,8 @@ def make_plan(
     layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
     world, nodes = hardware.gpus, hardware.nodes
     micro, seq = config.per_device_train_batch_size, config.max_seq_length
-    zero = _zero(ds_config)
-    offload_optimizer, offload_param = _offloaded(zero, "offload_optimizer"), _offloaded(zero, "offload_param")
+    zero = ds_config.get("zero_optimization", {})
+    offload_optimizer, offload_param = offloads(ds_config, "optimizer"), offloads(ds_config, "param")
 
     # Per-GPU memory. The first four terms are DeepSpeed's model states (tests compare them).
     memory: dict[str, float] = {}
@@ -264,7 +264,7 @@ def make_plan(
         largest_layer_params=largest,
         num_layers=layers,
         total_steps=total_steps,
-        warmup_fraction=config.warmup_steps / total_steps,
+        warmup_fraction=warmup_fraction(config, world),
         flops_per_token=flops,
         hardware_flops_per_token=hardware_flops,
         per_gpu_memory_gb=memory,
@@ -390,8 +390,6 @@ def json_summary(plan: Plan) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from recipes.deepspeed_config import load_deepspeed_json
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--gpus", type=int)

@@ -2,14 +2,13 @@
 accelerate_configs/zero3_16gpu.yaml (standard launcher, machine rank and head address at launch)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from recipes.metrics import read_metrics
-from tests.conftest import REPO, free_port, tiny_overrides
+from tests.conftest import REPO, free_port, start, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,7 +18,6 @@ def test_two_machines_on_loopback_train_save_and_export(tmp_path, corpus):
     args = tiny_overrides(
         corpus, tmp_path, max_steps=6, logging_steps=2, eval_steps=6, save_steps=3, max_eval_samples=8
     )
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
     machines = []
     for machine_rank in (0, 1):
         command = [
@@ -29,17 +27,7 @@ def test_two_machines_on_loopback_train_save_and_export(tmp_path, corpus):
             "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
             str(REPO / "recipes/pretrain.py"), *args,
         ]  # fmt: skip
-        machines.append(
-            subprocess.Popen(
-                command,
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )  # fmt: skip
-        )
+        machines.append(start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outputs = [machine.communicate(timeout=600) for machine in machines]
     for machine, (_, stderr) in zip(machines, outputs, strict=True):
         assert machine.returncode == 0, stderr[-4000:]
