@@ -27,3 +27,18 @@ def pack_documents(documents: Iterable[list[int]], seq_len: int, eos_id: int) ->
 def dropped_tail_tokens(total_tokens_with_eos: int, seq_len: int) -> int:
     """Tokens left in the final, partial row that `pack_documents` drops."""
     return total_tokens_with_eos % seq_len
+
+
+def document_position_ids(input_ids, eos_id: int):
+    """Position ids that restart at 0 after every EOS, per row of a [batch, seq] LongTensor. Given to
+    HF Llama without an attention mask, they make each document attend only to itself."""
+    import torch
+
+    seq_len = input_ids.shape[-1]
+    positions = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
+    # A document starts at 0 and after each EOS; its first index, carried forward, is subtracted.
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[..., 0] = True
+    starts[..., 1:] = input_ids[..., :-1] == eos_id
+    first_index = torch.where(starts, positions, torch.zeros_like(positions)).cummax(dim=-1).values
+    return positions - first_index

@@ -53,7 +53,8 @@ class PretrainConfig:
     tokenizer_name_or_path: str
     """Local tokenizer directory (or hub name when online); the model's vocabulary must cover it."""
     train_files: list[str]
-    """Local jsonl / parquet / txt files (optionally .gz), or a hub dataset name when online."""
+    """Local jsonl / parquet / txt files (optionally .gz / .zst), a hub dataset name when online, or one
+    directory written by `python -m data_prep.preprocess` (recognised by its manifest.json)."""
     model_config: dict[str, Any] = field(default_factory=dict)
     """LlamaConfig values for a from-scratch model; `vocab_size` defaults to the tokenizer's size."""
     model_name_or_path: str | None = None
@@ -106,6 +107,9 @@ class PretrainConfig:
     """bf16 mixed precision (DeepSpeed `bf16.enabled`)."""
     fp16: bool = False
     """fp16 mixed precision with loss scaling; exclusive with bf16."""
+    document_masking: bool = False
+    """No attention across EOS inside a packed row: position ids restart after every EOS, which HF Llama
+    turns into per-document attention (varlen with flash_attention_2, a block-diagonal mask with sdpa)."""
     attn_implementation: str = "flash_attention_2"
     """Requested attention; falls back to sdpa where flash-attn or CUDA is missing, and says so."""
     gradient_checkpointing: bool = True

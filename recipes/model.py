@@ -116,6 +116,33 @@ def build_optimizer(model: torch.nn.Module, config: PretrainConfig, offload_opti
     return torch.optim.AdamW(groups, fused=torch.cuda.is_available(), **kwargs)
 
 
+def replay_cpu_adam_bias_correction(optimizer) -> int | None:
+    """After a resume, bring DeepSpeed's CPU Adam to the state an uninterrupted run has; returns the step.
+
+    Its C++ side keeps beta^t as a float multiplied by beta once per step; a fresh optimizer at step t
+    computes pow(beta, t) instead, which differs in the last bit, and every later update with it. Replaying
+    the counter (updates of zero elements) makes the resumed run bit-identical. No-op for other optimizers."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    cpu_adam = optimizer
+    while cpu_adam is not None and not isinstance(cpu_adam, DeepSpeedCPUAdam):
+        cpu_adam = getattr(cpu_adam, "optimizer", None)
+    if cpu_adam is None:
+        return None
+    steps = {int(state["step"]) for state in cpu_adam.state.values() if "step" in state}
+    if len(steps) != 1:
+        return None
+    step, nothing = steps.pop(), torch.zeros(0)
+    group = cpu_adam.param_groups[0]
+    beta1, beta2 = group["betas"]
+    for t in range(1, step + 1):
+        cpu_adam.ds_opt_adam.adam_update(
+            cpu_adam.opt_id, t, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+            group["bias_correction"], nothing, nothing, nothing, nothing,
+        )  # fmt: skip
+    return step
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """All parameters, including those ZeRO-3 has partitioned away from this rank."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

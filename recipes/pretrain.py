@@ -29,6 +29,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from data_prep.packed_dataset import GlobalBatchSampler, PackedRows, is_preprocessed
+from data_prep.packing import document_position_ids
 from data_prep.readers import resolve_sources
 from data_prep.stream import PackedTextStream
 from recipes import checkpointing, deepspeed_config, metrics
@@ -42,6 +44,7 @@ from recipes.model import (
     enable_chunked_checkpointing,
     llama_config,
     local_parameter_elements,
+    replay_cpu_adam_bias_correction,
     training_flops_per_token,
 )
 from recipes.plan import format_plan, live_hardware, make_plan
@@ -103,11 +106,11 @@ def configure_logging(accelerator) -> None:
 
 def preflight(config: PretrainConfig, accelerator, ds_config):
     """Everything that can be wrong with the inputs, checked before the model costs anything."""
-    train_sources = resolve_sources(config.train_files, "train_files")
-    validation_sources = resolve_sources(config.validation_files, "validation_files")
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name_or_path)
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer {config.tokenizer_name_or_path} has no EOS token; packing needs one")
+    train_sources = training_data(config, tokenizer)
+    validation_sources = resolve_sources(config.validation_files, "validation_files")
     model_config = llama_config(config, len(tokenizer))
     validate_against_model(
         config,
@@ -130,9 +133,42 @@ def preflight(config: PretrainConfig, accelerator, ds_config):
     return tokenizer, model_config, attn_implementation, train_sources, validation_sources
 
 
-def build_train_loader(config: PretrainConfig, sources: list[str], tokenizer, accelerator) -> DataLoader:
+def training_data(config: PretrainConfig, tokenizer) -> PackedRows | list[str]:
+    """A preprocessed directory (checked against this tokenizer and row length), or raw files."""
+    if len(config.train_files) == 1 and is_preprocessed(config.train_files[0]):
+        rows = PackedRows(config.train_files[0])
+        rows.check_matches(tokenizer, config.tokenizer_name_or_path, config.max_seq_length)
+        logger.info("train data: %s, %d preprocessed rows", config.train_files[0], len(rows))
+        return rows
+    for entry in config.train_files:
+        if Path(entry).is_dir():
+            raise ConfigError(
+                f"train_files: {entry} is a directory without manifest.json; a preprocessing output is complete "
+                "only once its manifest is written (run python -m data_prep.preprocess again to finish it), "
+                "and it must be the only entry of train_files"
+            )
+    return resolve_sources(config.train_files, "train_files")
+
+
+def build_train_loader(config: PretrainConfig, data: PackedRows | list[str], tokenizer, accelerator) -> DataLoader:
+    pin_memory = config.dataloader_pin_memory and torch.cuda.is_available()
+    if isinstance(data, PackedRows):
+        sampler = GlobalBatchSampler(
+            len(data),
+            config.per_device_train_batch_size,
+            config.gradient_accumulation_steps,
+            accelerator.num_processes,
+            accelerator.process_index,
+        )
+        return DataLoader(
+            data,
+            batch_sampler=sampler,
+            num_workers=config.dataloader_num_workers,
+            pin_memory=pin_memory,
+            worker_init_fn=ignore_stop_signals,
+        )
     stream = PackedTextStream(
-        sources,
+        data,
         tokenizer,
         config.max_seq_length,
         rank=accelerator.process_index,
@@ -145,7 +181,7 @@ def build_train_loader(config: PretrainConfig, sources: list[str], tokenizer, ac
         stream,
         batch_size=config.per_device_train_batch_size,
         num_workers=config.dataloader_num_workers,
-        pin_memory=config.dataloader_pin_memory and torch.cuda.is_available(),
+        pin_memory=pin_memory,
         drop_last=True,
         worker_init_fn=ignore_stop_signals,
     )
@@ -199,7 +235,8 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
             # DeepSpeed scales the loss by 1/accumulation and steps the optimizer on the boundary.
             accelerator.sync_gradients = last
             input_ids = input_ids.to(accelerator.device, non_blocking=True)
-            loss = model(input_ids=input_ids, labels=input_ids).loss
+            position_ids = document_position_ids(input_ids, hooks["eos_id"]) if config.document_masking else None
+            loss = model(input_ids=input_ids, labels=input_ids, position_ids=position_ids).loss
             step_losses.append(loss.detach())
             if last:
                 # Before the backward that steps the optimizer: a NaN/Inf loss on any rank stops all.
@@ -239,7 +276,13 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
 
         evaluate = state.step % config.eval_steps == 0 or state.step == total_steps
         if hooks["validation_rows"] is not None and evaluate:
-            eval_loss = validation_loss(model, accelerator, hooks["validation_rows"], config.per_device_eval_batch_size)
+            eval_loss = validation_loss(
+                model,
+                accelerator,
+                hooks["validation_rows"],
+                config.per_device_eval_batch_size,
+                eos_id=hooks["eos_id"] if config.document_masking else None,
+            )
             writer.write(state.step, {"eval_loss": eval_loss})
             logger.info("step %d: eval_loss %.4f", state.step, eval_loss)
             # eval_loss is all-reduced, so every rank takes the same early-stopping decision.
@@ -311,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_args(argv)
         accelerator, ds_config = setup_distributed(config)
         configure_logging(accelerator)
-        tokenizer, model_config, attn_implementation, train_sources, validation_sources = preflight(
+        tokenizer, model_config, attn_implementation, train_data, validation_sources = preflight(
             config, accelerator, ds_config
         )
         resumed_from = find_checkpoint(config, accelerator)
@@ -331,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
     set_seed(config.seed)
 
-    batches = EpochBatches(build_train_loader(config, train_sources, tokenizer, accelerator), config.num_train_epochs)
+    batches = EpochBatches(build_train_loader(config, train_data, tokenizer, accelerator), config.num_train_epochs)
     # Registered after multiprocessing's own exit handler, so it runs first (atexit is last-in, first-out).
     atexit.register(batches.close)
     validation_rows = None
@@ -362,13 +405,17 @@ def main(argv: list[str] | None = None) -> int:
     state = RunState()
     if resumed_from:
         restore(resumed_from, accelerator, batches, state, output_dir)
+        replay_cpu_adam_bias_correction(optimizer)
     writer = metrics.MetricsWriter(output_dir, accelerator.is_main_process, config.prometheus_port)
     last_checkpoint: list[Path] = [resumed_from] if resumed_from else []
 
     def save(state: RunState) -> None:
         positions = gather_object([batches.position()])
         data_position = {
+            "kind": "preprocessed" if isinstance(train_data, PackedRows) else "stream",
             "per_rank": positions,
+            # Preprocessed rows are addressed globally: every rank has consumed the same count.
+            "global_rows_consumed": positions[0]["rows_consumed"] * accelerator.num_processes,
             "world_size": accelerator.num_processes,
             "dataloader_num_workers": config.dataloader_num_workers,
         }
@@ -385,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             num_params, model_config.num_hidden_layers, config.max_seq_length, model_config.hidden_size
         ),
         "validation_rows": validation_rows,
+        "eos_id": tokenizer.eos_token_id,
         "save": save,
         "writer": writer,
         "signals": signals,
@@ -446,7 +494,8 @@ def find_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
             "--output_folder <dir>) or relaunch on the original number of processes"
         )
     workers = manifest["data_position"]["dataloader_num_workers"]
-    if workers != config.dataloader_num_workers:
+    # A stream's position is per (rank, worker) shard; a preprocessed directory's is one global row index.
+    if manifest["data_position"].get("kind") != "preprocessed" and workers != config.dataloader_num_workers:
         raise CheckpointError(
             f"{path} was written with dataloader_num_workers={workers}; the data position depends on it, so "
             f"resume with the same value (this launch: {config.dataloader_num_workers})"
@@ -460,8 +509,12 @@ def restore(path: Path, accelerator, batches: EpochBatches, state: RunState, out
     saved = json.loads((path / "trainer_state.json").read_text())["run_state"]
     for key, value in saved.items():
         setattr(state, key, value)
-    position = checkpointing.read_manifest(path)["data_position"]["per_rank"][accelerator.process_index]
-    batches.restore(position["epoch"], position["rows_consumed"])
+    saved_position = checkpointing.read_manifest(path)["data_position"]
+    position = saved_position["per_rank"][accelerator.process_index]
+    if saved_position.get("kind") == "preprocessed":
+        batches.restore(position["epoch"], saved_position["global_rows_consumed"] // accelerator.num_processes)
+    else:
+        batches.restore(position["epoch"], position["rows_consumed"])
     if accelerator.is_main_process:
         metrics.truncate_metrics(output_dir / "metrics.jsonl", after_step=state.step)
     logger.info("resume: continuing from %s at step %d", path, state.step)

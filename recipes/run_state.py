@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader
 
+from data_prep.packed_dataset import GlobalBatchSampler
 from recipes.checkpointing import CheckpointError
 
 
@@ -53,9 +54,19 @@ class EpochBatches:
         return batches
 
     def restore(self, epoch: int, rows_consumed: int) -> None:
-        """Skip to a saved position. Raw-text streams are deterministic, so reading past the consumed
-        rows reproduces the exact next batch; the cost grows with the position (preprocessed data seeks)."""
+        """Continue at a saved position. A preprocessed directory seeks (its sampler starts at the next
+        micro-batch); a raw-text stream is deterministic, so reading past the consumed rows reproduces the
+        exact next batch, at a cost that grows with the position."""
         self.epoch, self.rows_consumed = epoch, 0
+        sampler = getattr(self.loader, "batch_sampler", None)
+        if isinstance(sampler, GlobalBatchSampler):
+            if rows_consumed % sampler.micro:
+                raise CheckpointError(f"data position {rows_consumed} is not a whole number of micro-batches")
+            sampler.start_micro_batch = rows_consumed // sampler.micro
+            self._iterator = iter(self.loader)
+            sampler.start_micro_batch = 0  # the next epoch starts at its beginning
+            self.rows_consumed = rows_consumed
+            return
         self._iterator = iter(self.loader)
         while self.rows_consumed < rows_consumed:
             try:
@@ -71,13 +82,19 @@ class EpochBatches:
 
     def close(self) -> None:
         """Stop the dataloader workers (they ignore SIGTERM, so multiprocessing's exit handler cannot)."""
-        workers = getattr(self._iterator, "_workers", [])
+        iterator, self._iterator = self._iterator, None
+        if getattr(iterator, "_worker_pids_set", False):
+            # torch watches its workers through SIGCHLD and would raise in this process when they die
+            from torch.utils.data._utils import signal_handling
+
+            signal_handling._remove_worker_pids(id(iterator))
+            iterator._worker_pids_set = False
+        workers = getattr(iterator, "_workers", [])
         for worker in workers:
             if worker.is_alive():
                 worker.kill()
         for worker in workers:
             worker.join(timeout=10)
-        self._iterator = None
 
 
 @dataclass

@@ -1,0 +1,118 @@
+"""Training on a preprocessed directory: rows addressed by a global sample index.
+
+Optimizer step s of an epoch consumes rows [s*G, (s+1)*G) of the directory, G being the global batch
+(micro batch x accumulation x processes). Within the step, micro-batch m of rank r is the `micro` rows
+starting at s*G + (m*world + r)*micro. So the data position is one number, the rows consumed, and it
+means the same on 8 or 16 GPUs as long as G does; dataloader workers only fetch, they decide nothing.
+The rows of a final, partial global batch are not trained on in that epoch (at most G - 1 rows).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from data_prep.preprocess import MANIFEST, tokenizer_identity
+
+
+def is_preprocessed(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
+
+
+class PackedRows(Dataset):
+    """`dataset[i]` is `{"input_ids": LongTensor[seq_len]}`, row i over all shards in order. Each process
+    (rank or dataloader worker) keeps the last row group it decoded, since a micro-batch is contiguous."""
+
+    def __init__(self, directory: str | Path):
+        import pyarrow.parquet as pq
+
+        self.directory = Path(directory)
+        self.manifest = json.loads((self.directory / MANIFEST).read_text())
+        self.seq_len = self.manifest["seq_len"]
+        self._groups: list[tuple[int, Path, int]] = []  # (first row, shard, row group)
+        first = 0
+        for shard in self.manifest["shards"]:
+            path = self.directory / shard["path"]
+            if not path.is_file():
+                raise FileNotFoundError(f"{self.directory}: shard {shard['path']} listed in {MANIFEST} is missing")
+            metadata = pq.ParquetFile(path).metadata
+            if metadata.num_rows != shard["rows"]:
+                raise ValueError(
+                    f"{path} has {metadata.num_rows} rows, {MANIFEST} says {shard['rows']}: the shard was "
+                    "changed after preprocessing; preprocess again"
+                )
+            for group in range(metadata.num_row_groups):
+                self._groups.append((first, path, group))
+                first += metadata.row_group(group).num_rows
+        self._starts = np.array([start for start, _, _ in self._groups], dtype=np.int64)
+        self._length = first
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _group_rows(self, group_index: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != group_index:
+            import pyarrow.parquet as pq
+
+            _, path, group = self._groups[group_index]
+            column = pq.ParquetFile(path).read_row_group(group, columns=["input_ids"]).column(0).combine_chunks()
+            rows = column.flatten().to_numpy().reshape(-1, self.seq_len)
+            self._cached = (group_index, rows)
+        return self._cached[1]
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < self._length:
+            raise IndexError(f"row {index} of {self._length}")
+        group_index = int(np.searchsorted(self._starts, index, side="right")) - 1
+        row = self._group_rows(group_index)[index - self._starts[group_index]]
+        return {"input_ids": torch.from_numpy(row.astype(np.int64))}
+
+    def check_matches(self, tokenizer, tokenizer_name: str, seq_len: int, key: str = "train_files") -> None:
+        """The directory was made for this run: same tokenizer (content hash) and row length."""
+        saved = self.manifest["tokenizer"]
+        ours = tokenizer_identity(tokenizer, tokenizer_name)
+        if saved["sha256"] != ours["sha256"]:
+            raise ValueError(
+                f"{key}: {self.directory} was tokenized with {saved['name']} (sha256 {saved['sha256'][:12]}), "
+                f"but tokenizer_name_or_path is {tokenizer_name} (sha256 {ours['sha256'][:12]}); "
+                "preprocess again with this tokenizer or point tokenizer_name_or_path at that one"
+            )
+        if self.seq_len != seq_len:
+            raise ValueError(
+                f"{key}: {self.directory} holds rows of {self.seq_len} tokens, max_seq_length is {seq_len}; "
+                f"set max_seq_length: {self.seq_len} or preprocess again with --seq-len {seq_len}"
+            )
+
+
+def micro_batch_rows(step: int, micro_index: int, rank: int, micro: int, accumulation: int, world: int) -> range:
+    """The global row indices of one micro-batch (see the module docstring)."""
+    global_batch = micro * accumulation * world
+    first = step * global_batch + (micro_index * world + rank) * micro
+    return range(first, first + micro)
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """This rank's micro-batches of one epoch, in order, from `start_micro_batch` on."""
+
+    def __init__(self, num_rows: int, micro: int, accumulation: int, world: int, rank: int):
+        self.micro, self.accumulation, self.world, self.rank = micro, accumulation, world, rank
+        self.steps_per_epoch = num_rows // (micro * accumulation * world)
+        self.start_micro_batch = 0
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.accumulation - self.start_micro_batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # The start is read now, not at the first next(): a loader without workers fetches lazily.
+        return self._batches(self.start_micro_batch)
+
+    def _batches(self, start: int) -> Iterator[list[int]]:
+        for index in range(start, self.steps_per_epoch * self.accumulation):
+            step, micro_index = divmod(index, self.accumulation)
+            yield list(micro_batch_rows(step, micro_index, self.rank, self.micro, self.accumulation, self.world))

@@ -1,0 +1,224 @@
+"""Offline preprocessing: exact rows, the shard format, bad records, resume after SIGKILL, and the
+global-sample-index reader that training uses."""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import zstandard
+from torch.utils.data import DataLoader
+from transformers import AutoTokenizer
+
+from data_prep.packed_dataset import GlobalBatchSampler, PackedRows, micro_batch_rows
+from data_prep.packing import pack_documents
+from data_prep.preprocess import PreprocessError, file_sha256, main, preprocess
+from data_prep.readers import iter_texts
+from recipes.run_state import EpochBatches
+from tests.conftest import LAUNCH_ENV, REPO
+
+SEQ = 64
+
+
+def reference_rows(corpus, seq_len=SEQ):
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    documents = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in iter_texts(corpus["train"]))
+    return np.array(list(pack_documents(documents, seq_len, tokenizer.eos_token_id)))
+
+
+@pytest.fixture(scope="module")
+def preprocessed(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("pre") / "out"
+    manifest = preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(out), SEQ, 2, rows_per_shard=1000)
+    return out, manifest
+
+
+def test_rows_equal_packing_every_document_in_order(preprocessed, corpus):
+    out, manifest = preprocessed
+    expected = reference_rows(corpus)
+    dataset = datasets.load_dataset(str(out), split="train")
+    assert dataset.column_names == ["input_ids"]
+    assert np.array_equal(np.array(dataset["input_ids"]), expected)
+    assert manifest["num_sequences"] == len(expected) == len(dataset)
+    assert manifest["num_tokens"] == len(expected) * SEQ
+    documents = list(iter_texts(corpus["train"]))
+    assert manifest["num_documents"] == len(documents)
+    # every document token, its EOS, minus the dropped tail, is in a row
+    assert manifest["num_document_tokens"] + len(documents) - manifest["dropped_tail_tokens"] == manifest["num_tokens"]
+    assert manifest["dropped_tail_tokens"] < SEQ
+    assert len(manifest["shards"]) == -(-len(expected) // 1000)
+    for shard in manifest["shards"]:
+        assert file_sha256(out / shard["path"]) == shard["sha256"]
+    assert manifest["tokenizer"]["vocab_size"] == 1024 and manifest["dtype"] == "uint16"
+    assert manifest["throughput"]["document_tokens_per_s"] > 0 and not manifest["throughput"]["resumed"]
+    assert not (out / ".progress").exists()
+
+
+def test_output_does_not_depend_on_the_number_of_workers(preprocessed, corpus, tmp_path):
+    out, manifest = preprocessed
+    one = preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(tmp_path), SEQ, 1, rows_per_shard=1000)
+    assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in manifest["shards"]]
+
+
+def test_bad_records_are_counted_with_file_and_line(tmp_path, corpus):
+    good = [json.dumps({"text": f"document number {i} " * 20}) for i in range(30)]
+    lines = [
+        good[0],
+        "{not json",
+        good[1],
+        json.dumps({"body": "no text field"}),
+        json.dumps({"text": ""}),
+        good[2],
+        "",  # a blank line separates, it is not a record
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(("\n".join(lines) + "\n").encode() + b'{"text": "bad \xff byte"}\n' + "\n".join(good[3:]).encode())
+    manifest = preprocess(str(corpus["tokenizer"]), [str(path)], str(tmp_path / "out"), 16, 1)
+    assert manifest["num_documents"] == 30
+    assert {k: v for k, v in manifest["skipped"].items() if v} == {
+        "malformed_json": 1,
+        "missing_field": 1,
+        "empty_text": 1,
+        "invalid_utf8": 1,
+    }
+    assert manifest["skipped_examples"] == {
+        "malformed_json": [f"{path}:2"],
+        "missing_field": [f"{path}:4"],
+        "empty_text": [f"{path}:5"],
+        "invalid_utf8": [f"{path}:8"],
+    }
+    with pytest.raises(PreprocessError, match=rf"{path}:2: malformed json \(--strict\)"):
+        preprocess(str(corpus["tokenizer"]), [str(path)], str(tmp_path / "strict"), 16, 1, strict=True)
+
+
+def test_compressed_and_parquet_inputs_give_the_same_rows(tmp_path, corpus):
+    texts = list(iter_texts(corpus["train"]))[:40]
+    jsonl = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(jsonl))
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl))
+    pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet", row_group_size=7)
+    hashes = set()
+    for name in ("a.jsonl.gz", "a.jsonl.zst", "a.parquet"):
+        manifest = preprocess(str(corpus["tokenizer"]), [str(tmp_path / name)], str(tmp_path / f"out-{name}"), SEQ, 1)
+        assert manifest["num_documents"] == 40
+        hashes.add(tuple(s["sha256"] for s in manifest["shards"]))
+    assert len(hashes) == 1
+
+
+def test_missing_input_and_conflicting_output_stop_before_work(tmp_path, corpus, capsys, preprocessed):
+    out = tmp_path / "never"
+    assert (
+        main(["--tokenizer", str(corpus["tokenizer"]), "--input", str(tmp_path / "gone.jsonl"), "--output", str(out)])
+        == 2
+    )
+    assert "--input: " in capsys.readouterr().err and not out.exists()
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "b.parquet")
+    with pytest.raises(PreprocessError, match="no column 'text'"):
+        preprocess(str(corpus["tokenizer"]), [str(tmp_path / "b.parquet")], str(out), SEQ)
+    done, _ = preprocessed
+    with pytest.raises(PreprocessError, match="seq_len is 64 there, 32 now"):
+        preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(done), 32, rows_per_shard=1000)
+    other = tmp_path / "other-tokenizer"
+    AutoTokenizer.from_pretrained(corpus["tokenizer"]).save_pretrained(other)
+    config = json.loads((other / "tokenizer.json").read_text())
+    config["model"]["merges"] = config["model"]["merges"][:-1]  # one merge fewer: another tokenizer
+    (other / "tokenizer.json").write_text(json.dumps(config))
+    with pytest.raises(PreprocessError, match="made with tokenizer"):
+        preprocess(str(other), [str(corpus["train"])], str(done), SEQ, rows_per_shard=1000)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(PreprocessError, match="not a preprocessing output"):
+        preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(tmp_path / "busy"), SEQ)
+
+
+def test_sigkill_then_the_same_command_finishes_identically(tmp_path, corpus):
+    # paragraphs as documents: thousands of them, so that shards are written all along the run
+    paragraphs = [p for text in iter_texts(corpus["train"]) for p in text.split("\n\n") if p.strip()]
+    source = tmp_path / "paragraphs.jsonl"
+    source.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    reference = preprocess(str(corpus["tokenizer"]), [str(source)], str(tmp_path / "ref"), SEQ, 1, rows_per_shard=150)
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "data_prep.preprocess", "--tokenizer", str(corpus["tokenizer"]), "--input",
+               str(source), "--output", str(out), "--seq-len", str(SEQ), "--num-workers", "2",
+               "--rows-per-shard", "150"]  # fmt: skip
+    victim = subprocess.Popen(command, cwd=REPO, env=LAUNCH_ENV, start_new_session=True, stdout=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out / ".progress" / "state.json").exists():
+        assert victim.poll() is None and time.time() < deadline, "finished before it could be killed"
+        time.sleep(0.01)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert not (out / "manifest.json").exists()
+    finished = subprocess.run(command, cwd=REPO, env=LAUNCH_ENV, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    assert "resuming after shard" in finished.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["throughput"]["resumed"]
+    for key in ("num_documents", "num_tokens", "num_sequences", "shards", "skipped", "dropped_tail_tokens"):
+        assert manifest[key] == reference[key], key
+
+
+@pytest.mark.parametrize("world, micro, accumulation", [(1, 4, 2), (2, 2, 2), (4, 1, 2), (8, 1, 1)])
+def test_global_index_layout_consumes_each_row_once_whatever_the_world_size(world, micro, accumulation):
+    num_rows = 203
+    global_batch = micro * accumulation * world
+    assert global_batch == 8
+    per_step = {}
+    for rank in range(world):
+        sampler = GlobalBatchSampler(num_rows, micro, accumulation, world, rank)
+        for index, rows in enumerate(sampler):
+            per_step.setdefault(index // accumulation, []).extend(rows)
+    # every optimizer step trains on the same 8 rows at any world size: the position is world-independent
+    assert {step: sorted(rows) for step, rows in per_step.items()} == {
+        step: list(range(step * 8, step * 8 + 8)) for step in range(num_rows // 8)
+    }
+    assert list(micro_batch_rows(2, 1, 0, micro, accumulation, world))[0] == 16 + world * micro
+
+
+def test_packed_rows_through_workers_and_resume_at_a_global_position(preprocessed):
+    out, _ = preprocessed
+    rows = PackedRows(out)
+    expected = torch.from_numpy(np.array(datasets.load_dataset(str(out), split="train")["input_ids"], dtype=np.int64))
+
+    def loader(rank, world, workers):
+        sampler = GlobalBatchSampler(len(rows), 2, 2, world, rank)
+        return DataLoader(rows, batch_sampler=sampler, num_workers=workers)
+
+    two_ranks = [EpochBatches(loader(rank, 2, 2), 1) for rank in range(2)]
+    seen = []
+    for _ in range(5):
+        for rank_batches in two_ranks:
+            seen.extend(torch.cat(rank_batches.take(2)).tolist())
+    assert sorted(map(tuple, seen)) == sorted(map(tuple, expected[:40].tolist()))
+    position = two_ranks[0].position()["rows_consumed"] * 2  # what a checkpoint stores: global rows
+    next_global_step = sorted(tuple(r) for rank_batches in two_ranks for r in torch.cat(rank_batches.take(2)).tolist())
+    for rank_batches in two_ranks:
+        rank_batches.close()
+    # resumed on ONE process with accumulation 4 (same global batch of 8): the same next rows
+    single = EpochBatches(loader(0, 1, 1), 1)
+    single.loader.batch_sampler.accumulation = 4
+    single.loader.batch_sampler.steps_per_epoch = len(rows) // 8
+    single.restore(0, position)
+    assert sorted(map(tuple, torch.cat(single.take(4)).tolist())) == next_global_step
+    single.close()
+
+
+def test_packed_rows_refuse_another_tokenizer_or_length(preprocessed, corpus, tmp_path):
+    out, _ = preprocessed
+    rows = PackedRows(out)
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    rows.check_matches(tokenizer, str(corpus["tokenizer"]), SEQ)
+    with pytest.raises(ValueError, match="max_seq_length is 128; set max_seq_length: 64"):
+        rows.check_matches(tokenizer, str(corpus["tokenizer"]), 128)
+    tokenizer.add_tokens(["<|extra|>"])
+    with pytest.raises(ValueError, match="was tokenized with"):
+        rows.check_matches(tokenizer, "other", SEQ)

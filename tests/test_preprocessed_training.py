@@ -1,0 +1,93 @@
+"""Training on a preprocessed directory under real 2-process ZeRO-3, with 2 dataloader workers per rank
+and document masking: a relaunch in a fresh process continues with exactly the batches an uninterrupted
+run draws, and a checkpoint whose data position is reset does not."""
+
+import json
+import shutil
+
+import pytest
+
+from data_prep.preprocess import preprocess
+from recipes.metrics import read_metrics
+from tests.conftest import REPO, launch, tiny_overrides
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def packed_dir(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("packed") / "train"
+    preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(out), 128, 2, rows_per_shard=500)
+    return out
+
+
+def run_args(corpus, packed_dir, output_dir, **extra):
+    return tiny_overrides(
+        corpus,
+        output_dir,
+        train_files=packed_dir,
+        max_steps=STEPS,
+        save_steps=6,
+        logging_steps=1,
+        eval_steps=6,
+        max_eval_samples=16,
+        warmup_steps=3,
+        dataloader_num_workers=2,
+        document_masking="true",
+        **extra,
+    )
+
+
+def train_losses(output_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus, packed_dir):
+    output_dir = tmp_path_factory.mktemp("uninterrupted")
+    result = launch(REPO / "recipes/pretrain.py", run_args(corpus, packed_dir, output_dir))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "preprocessed rows" in result.stderr
+    assert sorted(train_losses(output_dir)) == list(range(1, STEPS + 1))
+    return output_dir
+
+
+def resume_from_step_6(tmp_path, uninterrupted, corpus, packed_dir, reset_position: bool):
+    output_dir = tmp_path / "resumed"
+    shutil.copytree(uninterrupted, output_dir)
+    shutil.rmtree(output_dir / f"checkpoint-{STEPS}")
+    shutil.rmtree(output_dir / "final")
+    manifest_path = output_dir / "checkpoint-6" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["data_position"]["kind"] == "preprocessed"
+    assert manifest["data_position"]["global_rows_consumed"] == 6 * 32  # steps x global batch
+    if reset_position:
+        manifest["data_position"]["global_rows_consumed"] = 0
+        manifest_path.write_text(json.dumps(manifest))
+    result = launch(REPO / "recipes/pretrain.py", run_args(corpus, packed_dir, output_dir))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "checkpoint-6 at step 6" in result.stderr
+    return train_losses(output_dir)
+
+
+def test_relaunch_draws_exactly_the_uninterrupted_batches(tmp_path, uninterrupted, corpus, packed_dir):
+    assert resume_from_step_6(tmp_path, uninterrupted, corpus, packed_dir, reset_position=False) == train_losses(
+        uninterrupted
+    )
+
+
+def test_negative_control_with_the_position_reset_diverges(tmp_path, uninterrupted, corpus, packed_dir):
+    expected = train_losses(uninterrupted)
+    train = resume_from_step_6(tmp_path, uninterrupted, corpus, packed_dir, reset_position=True)
+    assert all(train[s] == expected[s] for s in range(1, 7))
+    assert all(train[s] != expected[s] for s in range(7, STEPS + 1))
+
+
+def test_a_directory_made_for_another_row_length_is_refused_before_the_model(tmp_path, corpus, packed_dir):
+    args = run_args(corpus, packed_dir, tmp_path / "out", max_seq_length=64)
+    result = launch(REPO / "recipes/pretrain.py", args)
+    assert result.returncode != 0
+    assert "holds rows of 128 tokens, max_seq_length is 64" in result.stderr
+    assert "parameters; this rank holds" not in result.stderr
