@@ -21,17 +21,19 @@ SKIP_PARTS = {"site-packages", "encodings", "test", "tests", "idlelib"}
 MAX_FILE_BYTES = 200_000
 
 
-def stdlib_sources() -> list[Path]:
-    """Standard-library modules in a fixed shuffled order, so that any prefix of the corpus is a
-    sample of the whole library rather than a run of one package (the codec tables of
+def stdlib_sources(root: Path | None = None) -> list[Path]:
+    """Standard-library modules (or those under `root`) in a fixed shuffled order, so that any prefix of
+    the corpus is a sample of the whole library rather than a run of one package (the codec tables of
     `encodings/` alone would otherwise fill a demo's first minutes)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(p for p in root.rglob("*.py") if not SKIP_PARTS.intersection(p.parts) and p.is_file())
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    paths = sorted(
+        p for p in root.rglob("*.py") if not SKIP_PARTS.intersection(p.relative_to(root).parts) and p.is_file()
+    )
     random.Random(SHUFFLE_SEED).shuffle(paths)
     return paths
 
 
-def build(output: Path, train_bytes: int, validation_bytes: int) -> dict[str, int]:
+def build(output: Path, train_bytes: int, validation_bytes: int, roots: list[Path] | None = None) -> dict[str, int]:
     output.mkdir(parents=True, exist_ok=True)
     budgets = {"train": train_bytes, "validation": validation_bytes}
     written = {"train": 0, "validation": 0}
@@ -40,7 +42,8 @@ def build(output: Path, train_bytes: int, validation_bytes: int) -> dict[str, in
         open(output / "validation.jsonl", "w", encoding="utf-8") as validation,
     ):
         handles = {"train": train, "validation": validation}
-        for index, path in enumerate(stdlib_sources()):
+        paths = [path for root in roots or [None] for path in stdlib_sources(root)]
+        for index, path in enumerate(paths):
             split = "validation" if index % VALIDATION_EVERY == 0 else "train"
             if written[split] >= budgets[split]:
                 if all(written[s] >= budgets[s] for s in budgets):
@@ -62,11 +65,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", required=True)
     parser.add_argument("--train-mb", type=float, default=6.0)
     parser.add_argument("--validation-mb", type=float, default=0.5)
+    parser.add_argument(
+        "--root", nargs="*", type=Path, help="directories of .py files instead of the standard library (in order)"
+    )
     args = parser.parse_args(argv)
-    written = build(Path(args.output), int(args.train_mb * 1e6), int(args.validation_mb * 1e6))
+    written = build(Path(args.output), int(args.train_mb * 1e6), int(args.validation_mb * 1e6), args.root)
     print(
         f"wrote {written['train'] / 1e6:.1f} MB train, {written['validation'] / 1e6:.1f} MB validation "
-        f"of Python standard-library source to {args.output}"
+        f"of Python source to {args.output}"
     )
 
 

@@ -24,13 +24,22 @@ def shard_documents(sources: list[str], text_field: str, shard: int, num_shards:
         yield from iter_source_texts(source, text_field, (shard - file_index) % num_shards, num_shards)
 
 
+def encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens. The Rust backend's `encode_batch_fast` skips the offsets
+    and the Python-side BatchEncoding; its ids are the ones `tokenizer(texts)` gives."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+
 def tokenize_in_batches(texts: Iterator[str], tokenizer, batch_docs: int = TOKENIZE_BATCH_DOCS) -> Iterator[list[int]]:
     """Token ids per document; batched calls let the fast tokenizer use its Rust threads."""
     batch: list[str] = []
     for text in texts:
         batch.append(text)
         if len(batch) == batch_docs:
-            yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
+            yield from encode_batch(tokenizer, batch)
             batch = []
     if batch:
         yield from tokenizer(batch, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,224 @@
+"""Tokens per second of each way to turn a corpus into packed rows, on the same texts.
+
+    python -m benchmarks.data_throughput --input corpus.jsonl --tokenizer DIR [--workers 2] [--memory-check]
+
+(a) the raw fast tokenizer called in batches on texts already in memory (both the transformers call and the
+    `tokenizers` backend's `encode_batch_fast`; the faster counts as the raw ceiling);
+(b) our streaming tokenize-and-pack (`PackedTextStream`, what training reads from raw files), reading the file;
+(c) our offline preprocessing (`data_prep.preprocess`) with 1 and with N worker processes, shards written;
+(d) the `run_clm` approach: `datasets.load_dataset("json")`, `map(tokenize)`, `map(group_texts)`.
+Every rate is the corpus's token count (without EOS) over the wall time of that method.
+
+`--memory-check` also preprocesses a ~10 MB and a ~200 MB corpus (the input's lines repeated) and samples the
+resident memory of the whole process tree (main + workers) every 20 ms: flat memory means equal peaks.
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BATCH_DOCS = 1000
+
+
+def timed(function):
+    started = time.perf_counter()
+    result = function()
+    return result, time.perf_counter() - started
+
+
+def raw_tokenizer(texts, tokenizer) -> dict:
+    def transformers_call():
+        return sum(
+            len(ids)
+            for start in range(0, len(texts), BATCH_DOCS)
+            for ids in tokenizer(texts[start : start + BATCH_DOCS], add_special_tokens=False)["input_ids"]
+        )
+
+    def backend_call():
+        backend = tokenizer.backend_tokenizer
+        return sum(
+            len(encoding.ids)
+            for start in range(0, len(texts), BATCH_DOCS)
+            for encoding in backend.encode_batch_fast(texts[start : start + BATCH_DOCS], add_special_tokens=False)
+        )
+
+    tokens, transformers_s = timed(transformers_call)
+    backend_tokens, backend_s = timed(backend_call)
+    assert tokens == backend_tokens, "the two calls must tokenize identically"
+    return {"tokens": tokens, "transformers_s": transformers_s, "backend_s": backend_s}
+
+
+def streaming_pipeline(path: str, tokenizer, seq_len: int) -> tuple[int, float]:
+    from data_prep.stream import PackedTextStream
+
+    stream = PackedTextStream([path], tokenizer, seq_len)
+    rows, seconds = timed(lambda: sum(1 for _ in stream))
+    return rows, seconds
+
+
+def run_clm_approach(path: str, tokenizer, seq_len: int, cache_dir: str) -> tuple[int, float]:
+    """What Hugging Face's run_clm example does, written out: load, tokenize with map, concatenate and chunk."""
+    import datasets
+
+    def run():
+        raw = datasets.load_dataset("json", data_files=path, split="train", cache_dir=cache_dir)
+        tokenized = raw.map(lambda batch: tokenizer(batch["text"]), batched=True, remove_columns=raw.column_names)
+
+        def group_texts(batch):
+            joined = {key: list(itertools.chain.from_iterable(batch[key])) for key in batch}
+            usable = len(joined["input_ids"]) // seq_len * seq_len
+            return {key: [ids[i : i + seq_len] for i in range(0, usable, seq_len)] for key, ids in joined.items()}
+
+        return len(tokenized.map(group_texts, batched=True))
+
+    return timed(run)
+
+
+def offline_preprocess(path: str, tokenizer_dir: str, seq_len: int, workers: int, output: str) -> tuple[dict, float]:
+    from data_prep.preprocess import preprocess
+
+    return timed(lambda: preprocess(tokenizer_dir, [path], output, seq_len, workers, log=lambda _: None))
+
+
+def peak_tree_rss_mb(command: list[str]) -> tuple[float, float]:
+    """Run a command; the peak of the summed resident memory of it and its children, and its wall time."""
+    import psutil
+
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = [0.0]
+
+    def sample():
+        root = psutil.Process(process.pid)
+        while process.poll() is None:
+            try:
+                tree = [root, *root.children(recursive=True)]
+                peak[0] = max(peak[0], sum(p.memory_info().rss for p in tree if p.is_running()) / 2**20)
+            except psutil.Error:
+                pass
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, stderr = process.communicate()
+    sampler.join()
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{stderr[-2000:]}")
+    return peak[0], time.perf_counter() - started
+
+
+def repeated_corpus(source: Path, target: Path, megabytes: float) -> None:
+    lines = source.read_bytes().splitlines(keepends=True)
+    written, budget = 0, int(megabytes * 1e6)
+    with open(target, "wb") as handle:
+        for line in itertools.cycle(lines):
+            handle.write(line)
+            written += len(line)
+            if written >= budget:
+                break
+
+
+def memory_check(path: Path, tokenizer_dir: str, seq_len: int, workers: int, scratch: Path) -> dict:
+    result = {}
+    for megabytes in (10, 200):
+        corpus = scratch / f"corpus-{megabytes}mb.jsonl"
+        repeated_corpus(path, corpus, megabytes)
+        command = [sys.executable, "-m", "data_prep.preprocess", "--tokenizer", tokenizer_dir, "--input", str(corpus),
+                   "--output", str(scratch / f"out-{megabytes}"), "--seq-len", str(seq_len),
+                   "--num-workers", str(workers)]  # fmt: skip
+        peak, seconds = peak_tree_rss_mb(command)
+        result[f"preprocess_peak_rss_mb_{megabytes}mb"] = peak
+        result[f"preprocess_seconds_{megabytes}mb"] = seconds
+        corpus.unlink()
+    result["preprocess_peak_rss_ratio_200_vs_10"] = (
+        result["preprocess_peak_rss_mb_200mb"] / result["preprocess_peak_rss_mb_10mb"]
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", required=True, help="a jsonl file with a 'text' field")
+    parser.add_argument("--tokenizer", required=True, help="a fast tokenizer directory")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="N for the N-worker preprocess")
+    parser.add_argument("--memory-check", action="store_true", help="also compare peak memory at 10 MB and 200 MB")
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from data_prep.readers import iter_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    texts = list(iter_texts(args.input))
+    raw = raw_tokenizer(texts, tokenizer)
+    tokens = raw["tokens"]
+    raw_s = min(raw["transformers_s"], raw["backend_s"])
+    _, pipeline_s = streaming_pipeline(args.input, tokenizer, args.seq_len)
+    with tempfile.TemporaryDirectory() as scratch:
+        _, run_clm_s = run_clm_approach(args.input, tokenizer, args.seq_len, f"{scratch}/hf-cache")
+        one, one_s = offline_preprocess(args.input, args.tokenizer, args.seq_len, 1, f"{scratch}/pre-1")
+        many, many_s = offline_preprocess(args.input, args.tokenizer, args.seq_len, args.workers, f"{scratch}/pre-n")
+        assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in many["shards"]]
+        memory = (
+            memory_check(Path(args.input), args.tokenizer, args.seq_len, args.workers, Path(scratch))
+            if (args.memory_check)
+            else {}
+        )
+    assert one["num_document_tokens"] == tokens, "preprocess and the raw tokenizer must see the same tokens"
+
+    rate = {
+        "raw_tokenizer_tokens_per_s": tokens / raw_s,
+        "raw_transformers_call_tokens_per_s": tokens / raw["transformers_s"],
+        "raw_backend_encode_batch_fast_tokens_per_s": tokens / raw["backend_s"],
+        "pipeline_tokens_per_s": tokens / pipeline_s,
+        "run_clm_tokens_per_s": tokens / run_clm_s,
+        "preprocess_1_worker_tokens_per_s": tokens / one_s,
+        "preprocess_tokens_per_s": tokens / many_s,
+    }
+    result = {
+        **rate,
+        "preprocess_workers": args.workers,
+        "pipeline_vs_raw": rate["pipeline_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],
+        "preprocess_n_vs_1_worker": rate["preprocess_tokens_per_s"] / rate["preprocess_1_worker_tokens_per_s"],
+        "run_clm_vs_raw": rate["run_clm_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],
+        "corpus_mb": Path(args.input).stat().st_size / 1e6,
+        "corpus_tokens": tokens,
+        "vocab_size": len(tokenizer),
+        "cpu_count": os.cpu_count(),
+        **memory,
+    }
+    print(f"{'method':<44}{'tokens/s':>12}{'x raw':>8}")
+    labels = {
+        "raw_tokenizer_tokens_per_s": "(a) raw tokenizer, batched (faster call)",
+        "raw_transformers_call_tokens_per_s": "    transformers tokenizer(batch)",
+        "raw_backend_encode_batch_fast_tokens_per_s": "    tokenizers encode_batch_fast",
+        "pipeline_tokens_per_s": "(b) streaming tokenize-and-pack",
+        "preprocess_1_worker_tokens_per_s": "(c) offline preprocess, 1 worker",
+        "preprocess_tokens_per_s": f"(c) offline preprocess, {args.workers} workers",
+        "run_clm_tokens_per_s": "(d) run_clm: datasets map + group_texts",
+    }
+    for key, label in labels.items():
+        print(f"{label:<44}{rate[key]:>12,.0f}{rate[key] / rate['raw_tokenizer_tokens_per_s']:>8.2f}")
+    if memory:
+        print(
+            f"preprocess peak memory (main + workers): {memory['preprocess_peak_rss_mb_10mb']:.0f} MB at 10 MB, "
+            f"{memory['preprocess_peak_rss_mb_200mb']:.0f} MB at 200 MB "
+            f"({memory['preprocess_peak_rss_ratio_200_vs_10']:.2f}x)"
+        )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
