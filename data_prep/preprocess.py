@@ -108,7 +108,7 @@ def _tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, int]:
     for encoding in _WORKER_TOKENIZER.encode_batch_fast(texts, add_special_tokens=False):
         ids.extend(encoding.ids)
         ids.append(_WORKER_EOS)
-    return np.asarray(ids, dtype=np.int64), len(ids) - len(texts)
+    return np.asarray(ids, dtype=np.int32), len(ids) - len(texts)
 
 
 def _peak_rss_mb() -> float:
@@ -160,7 +160,7 @@ def load_progress(out: Path, settings: dict) -> tuple[Progress, np.ndarray] | No
         return progress, carry
     if out.exists() and any(entry.name != SHARD_DIR for entry in out.iterdir()):
         raise PreprocessError(f"{out} exists and is not a preprocessing output; choose an empty or new --output")
-    return Progress(), np.zeros(0, dtype=np.int64)
+    return Progress(), np.zeros(0, dtype=np.int32)
 
 
 def save_progress(out: Path, settings: dict, progress: Progress, carry: np.ndarray) -> None:
@@ -173,19 +173,63 @@ def save_progress(out: Path, settings: dict, progress: Progress, carry: np.ndarr
     os.replace(temporary, directory / "state.json")
 
 
-def write_shard(out: Path, index: int, rows: np.ndarray, dtype: np.dtype) -> dict:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+class ShardWriter:
+    """Appends rows to the open shard (a temporary file, one parquet row group per ROWS_PER_ROW_GROUP rows)
+    and publishes it by rename when it holds `rows_per_shard` rows: memory holds at most one row group."""
 
-    seq_len = rows.shape[1]
-    offsets = pa.array(np.arange(0, rows.size + 1, seq_len, dtype=np.int32))
-    column = pa.ListArray.from_arrays(offsets, pa.array(rows.astype(dtype).ravel()))
-    path = out / shard_name(index)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    pq.write_table(pa.table({"input_ids": column}), temporary, row_group_size=ROWS_PER_ROW_GROUP, compression="zstd")
-    os.replace(temporary, path)
-    return {"path": shard_name(index), "rows": int(rows.shape[0]), "sha256": file_sha256(path)}
+    def __init__(self, out: Path, first_index: int, rows_per_shard: int, seq_len: int, dtype: np.dtype):
+        self.out, self.index, self.rows_per_shard = out, first_index, rows_per_shard
+        self.seq_len, self.dtype = seq_len, dtype
+        self.rows_in_shard = 0
+        self._buffer: list[np.ndarray] = []
+        self._buffered = 0
+        self._writer = None
+
+    def add(self, rows: np.ndarray) -> list[tuple[dict, np.ndarray]]:
+        """Append rows; returns (shard info, rows added after that shard) for each shard completed here."""
+        completed = []
+        while len(rows):
+            part, rows = np.split(rows, [self.rows_per_shard - self.rows_in_shard])
+            self._buffer.append(part.astype(self.dtype))
+            self._buffered += len(part)
+            self.rows_in_shard += len(part)
+            if self._buffered >= ROWS_PER_ROW_GROUP:
+                self._flush()
+            if self.rows_in_shard == self.rows_per_shard:
+                completed.append((self.close(), rows))
+        return completed
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self._buffered:
+            return
+        rows = np.concatenate(self._buffer)
+        offsets = pa.array(np.arange(0, rows.size + 1, self.seq_len, dtype=np.int32))
+        table = pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pa.array(rows.ravel()))})
+        if self._writer is None:
+            self._path().parent.mkdir(parents=True, exist_ok=True)
+            self._writer = pq.ParquetWriter(self._temporary(), table.schema, compression="zstd")
+        self._writer.write_table(table, row_group_size=ROWS_PER_ROW_GROUP)
+        self._buffer, self._buffered = [], 0
+
+    def _path(self) -> Path:
+        return self.out / shard_name(self.index)
+
+    def _temporary(self) -> Path:
+        return self._path().with_suffix(".tmp")
+
+    def close(self) -> dict | None:
+        """Publish the open shard (None when it is empty)."""
+        self._flush()
+        if self._writer is None:
+            return None
+        self._writer.close()
+        os.replace(self._temporary(), self._path())
+        shard = {"path": shard_name(self.index), "rows": self.rows_in_shard, "sha256": file_sha256(self._path())}
+        self.index, self.rows_in_shard, self._writer = self.index + 1, 0, None
+        return shard
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -294,14 +338,13 @@ def preprocess(
 
     started = time.perf_counter()
     session_tokens = 0
-    pending_rows: list[np.ndarray] = []
-    pending_count = 0
+    writer = ShardWriter(out, len(progress.shards), rows_per_shard, seq_len, dtype)
     context = multiprocessing.get_context("spawn")
     with context.Pool(num_workers, _init_worker, (tokenizer.backend_tokenizer.to_str(), identity["eos_id"])) as pool:
         in_flight: deque = deque()
 
         def consume() -> None:
-            nonlocal carry, pending_count, session_tokens, started
+            nonlocal carry, session_tokens, started
             result, texts_count, position = in_flight.popleft()
             ids, document_tokens = result.get()
             progress.num_documents += texts_count
@@ -309,30 +352,24 @@ def preprocess(
             session_tokens += document_tokens
             stream = np.concatenate([carry, ids]) if len(carry) else ids
             full = len(stream) - len(stream) % seq_len
-            if full:
-                pending_rows.append(stream[:full].reshape(-1, seq_len))
-                pending_count += full // seq_len
             carry = stream[full:]
             progress.file_index, progress.next_line = position
-            if pending_count >= rows_per_shard or (texts_count == 0 and pending_count):
-                rows = np.concatenate(pending_rows)
-                done = 0
-                final = texts_count == 0
-                while rows.shape[0] - done >= rows_per_shard or (final and done < rows.shape[0]):
-                    shard_rows = rows[done : done + rows_per_shard]
-                    progress.shards.append(write_shard(out, len(progress.shards), shard_rows, dtype))
-                    progress.num_sequences += shard_rows.shape[0]
-                    done += shard_rows.shape[0]
-                    log(
-                        f"shard {len(progress.shards) - 1}: {shard_rows.shape[0]} rows "
-                        f"({progress.num_documents} documents so far)"
-                    )
-                pending_rows[:] = [rows[done:]] if done < rows.shape[0] else []
-                pending_count = rows.shape[0] - done
-                unwritten = np.concatenate([rows[done:].ravel(), carry])
+            completed = writer.add(stream[:full].reshape(-1, seq_len))
+            if texts_count == 0:  # the end: publish the last, partial shard
+                last = writer.close()
+                completed += [(last, stream[:0])] if last else []
+            for shard, _ in completed:
+                progress.shards.append(shard)
+                progress.num_sequences += shard["rows"]
+                log(
+                    f"shard {len(progress.shards) - 1}: {shard['rows']} rows, {progress.num_documents} documents so far"
+                )
+            if completed:
+                # A resumed run starts here: after this chunk, with the rows the open shard holds so far
+                # (written again from this copy) and the tokens of the next partial row.
                 progress.elapsed_s += time.perf_counter() - started
                 started = time.perf_counter()
-                save_progress(out, settings, progress, unwritten)
+                save_progress(out, settings, progress, np.concatenate([completed[-1][1].ravel(), carry]))
 
         for texts, position in iter_chunks(sources, text_field, progress, strict):
             result = pool.apply_async(_tokenize_chunk, (texts,)) if texts else _Done()
@@ -376,7 +413,7 @@ class _Done:
     """The end-of-input marker's stand-in for a worker result."""
 
     def get(self):
-        return np.zeros(0, dtype=np.int64), 0
+        return np.zeros(0, dtype=np.int32), 0
 
 
 def _worker_peak_rss_mb(_: int) -> float:
