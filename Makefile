@@ -27,6 +27,7 @@ demo: install
 	$(BIN)/python -m data_prep.demo_corpus --output $(DEMO)/data --train-mb 6 --validation-mb 0.5
 	$(BIN)/python -m data_prep.train_tokenizer --input $(DEMO)/data/train.jsonl --vocab-size 2048 \
 		--output $(DEMO)/tokenizer
+	$(BIN)/python -m eval.fixtures --output $(DEMO)/eval_data
 	rm -rf $(DEMO)/run
 	$(BIN)/accelerate launch --config_file accelerate_configs/zero3_cpu.yaml recipes/pretrain.py \
 		--config recipes/configs/tiny_cpu.yaml --output_dir $(DEMO)/run

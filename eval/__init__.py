@@ -1,4 +1,3 @@
-"""Benchmark evaluation (MMLU and GSM8K through lm-eval, standalone and in the training loop).
-
-Not built yet: the training loop reports validation loss only. Tracked as the benchmarks issue.
-"""
+"""MMLU and GSM8K through lm-eval: offline layouts (`eval.data`), lm-eval's own tasks on them
+(`eval.harness`), the standalone runner (`python -m eval.run`), the in-loop hook (`eval.in_loop`), and
+generated fixtures for tests and the demo (`eval.fixtures`)."""

@@ -131,6 +131,20 @@ class PretrainConfig:
     """Stop after this many evaluations without an eval_loss improvement; unset disables it."""
     early_stopping_threshold: float = 0.0
     """Minimum eval_loss decrease that counts as an improvement."""
+    eval_tasks: list[str] = field(default_factory=list)
+    """Benchmarks run through lm-eval at evaluations: mmlu, gsm8k; empty turns them off."""
+    eval_limit: int | None = None
+    """Documents per benchmark task (per MMLU subject); unset runs all of them."""
+    eval_benchmarks_every: int = 1
+    """Run the benchmarks at every k-th evaluation (and at the last step); eval_loss runs at every one."""
+    eval_num_fewshot: int = 5
+    """Few-shot examples per prompt (lm-eval's `num_fewshot`; the SPEC's MMLU and GSM8K are 5-shot)."""
+    eval_max_gen_toks: int | None = None
+    """GSM8K answer budget in tokens; unset keeps lm-eval's 256."""
+    mmlu_dir: str | None = None
+    """Local MMLU: the release layout (test/, dev/ csv) or a cais/mmlu snapshot; unset reads the hub."""
+    gsm8k_dir: str | None = None
+    """Local GSM8K: the release (test.jsonl, train.jsonl) or an openai/gsm8k snapshot; unset reads the hub."""
 
     dataloader_num_workers: int = 0
     """Dataloader worker processes per GPU."""
@@ -342,6 +356,10 @@ def validate_static(config: PretrainConfig) -> None:
             raise ConfigError(f"early_stopping_patience must be >= 1 or unset, got {config.early_stopping_patience}")
         if not config.validation_files:
             raise ConfigError("early_stopping_patience needs validation_files: it watches eval_loss")
+    if config.eval_benchmarks_every < 1:
+        raise ConfigError(f"eval_benchmarks_every must be >= 1, got {config.eval_benchmarks_every}")
+    if config.eval_limit is not None and config.eval_limit < 1:
+        raise ConfigError(f"eval_limit must be >= 1 or unset, got {config.eval_limit}")
     if config.model_name_or_path and config.model_config:
         raise ConfigError(
             f"model_name_or_path {config.model_name_or_path} brings its own shape, so model_config must be empty "

@@ -77,6 +77,10 @@ class MetricsWriter:
         self.tensorboard.flush()
         if self.prometheus is not None:
             self.prometheus.update({"step": step, **values})
+            for key, value in values.items():
+                if key.count("/") == 1:  # benchmark scores: "mmlu/acc", "gsm8k/exact_match_strict"
+                    task, metric = key.split("/")
+                    self.prometheus.update({"benchmark_score": value}, labels={"task": task, "metric": metric})
 
     def close(self) -> None:
         if self.tensorboard is not None:

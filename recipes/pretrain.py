@@ -33,6 +33,7 @@ from data_prep.packed_dataset import GlobalBatchSampler, PackedRows, is_preproce
 from data_prep.packing import document_position_ids
 from data_prep.readers import resolve_sources
 from data_prep.stream import PackedTextStream
+from eval.harness import BenchmarkSettings
 from recipes import checkpointing, deepspeed_config, metrics
 from recipes.checkpointing import CheckpointError
 from recipes.config import ConfigError, PretrainConfig, load_config, validate_against_model, validate_for_world
@@ -100,6 +101,7 @@ def configure_logging(accelerator) -> None:
     level = logging.INFO if accelerator.is_main_process else logging.WARNING
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level, force=True)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices; eval.in_loop logs the results
     # DeepSpeed calls torch's deprecated collective names on every step; one warning per call floods the log.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
 
@@ -118,6 +120,10 @@ def preflight(config: PretrainConfig, accelerator, ds_config):
         tokenizer_size=len(tokenizer),
         max_positions=model_config.max_position_embeddings,
     )
+    benchmarks = benchmark_settings(config)
+    if benchmarks:
+        benchmarks.check()  # data directories load, before the model costs anything
+        logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
     attn_implementation, reason = detect_attn_implementation(config.attn_implementation)
     logger.info("attention: %s (%s)", attn_implementation, reason)
     plan = make_plan(
@@ -131,6 +137,20 @@ def preflight(config: PretrainConfig, accelerator, ds_config):
             + "\nChange the recipe or DeepSpeed config, or set preflight_strict: false to try anyway."
         )
     return tokenizer, model_config, attn_implementation, train_sources, validation_sources
+
+
+def benchmark_settings(config: PretrainConfig) -> BenchmarkSettings | None:
+    if not config.eval_tasks:
+        return None
+    return BenchmarkSettings(
+        tasks=list(config.eval_tasks),
+        mmlu_dir=config.mmlu_dir,
+        gsm8k_dir=config.gsm8k_dir,
+        limit=config.eval_limit,
+        num_fewshot=config.eval_num_fewshot,
+        batch_size=config.per_device_eval_batch_size,
+        max_gen_toks=config.eval_max_gen_toks,
+    )
 
 
 def training_data(config: PretrainConfig, tokenizer) -> PackedRows | list[str]:
@@ -285,6 +305,11 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
             )
             writer.write(state.step, {"eval_loss": eval_loss})
             logger.info("step %d: eval_loss %.4f", state.step, eval_loss)
+            evaluation = state.step // config.eval_steps
+            if hooks["benchmarks"] and (evaluation % config.eval_benchmarks_every == 0 or state.step == total_steps):
+                scores = hooks["benchmarks"](state.step)
+                if scores:
+                    writer.write(state.step, scores)
             # eval_loss is all-reduced, so every rank takes the same early-stopping decision.
             best = state.best_eval_loss
             if best is None or eval_loss < best - config.early_stopping_threshold:
@@ -306,6 +331,16 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
             hooks["save"](state)
     progress.close()
     return stop_reason
+
+
+def benchmarks_hook(config: PretrainConfig, accelerator, model, tokenizer, output_dir: Path):
+    """step -> benchmark scores, run on every rank; None when `eval_tasks` is empty."""
+    settings = benchmark_settings(config)
+    if settings is None:
+        return None
+    from eval.in_loop import run_benchmarks
+
+    return lambda step: run_benchmarks(model, accelerator, tokenizer, settings, step, output_dir)
 
 
 def log_window(config, accelerator, model, window, window_seconds, lr, flops_per_token) -> dict:
@@ -433,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "validation_rows": validation_rows,
         "eos_id": tokenizer.eos_token_id,
+        "benchmarks": benchmarks_hook(config, accelerator, model, tokenizer, output_dir),
         "save": save,
         "writer": writer,
         "signals": signals,

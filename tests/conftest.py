@@ -85,6 +85,7 @@ def tiny_overrides(corpus: dict[str, Path], output_dir: Path, **extra) -> list[s
         "tokenizer_name_or_path": corpus["tokenizer"],
         "train_files": corpus["train"],
         "validation_files": corpus["validation"],
+        "eval_tasks": "[]",  # benchmarks cost ~10 s per evaluation; the tests that check them turn them on
         **extra,
     }
     args = ["--config", str(TINY_RECIPE)]

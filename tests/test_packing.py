@@ -83,3 +83,32 @@ def test_shards_cover_many_short_files_and_parquet(tmp_path, num_shards):
     seen = list(itertools.chain.from_iterable(shards))
     assert sorted(seen) == sorted(texts) and len(seen) == len(set(seen))
     assert max(map(len, shards)) - min(map(len, shards)) <= 3
+
+
+def test_document_position_ids_restart_after_every_eos():
+    import torch
+
+    from data_prep.packing import document_position_ids
+
+    ids = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 3], [0, 0, 4, 4, 4, 4, 4, 0]])
+    assert document_position_ids(ids, eos_id=0).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 0, 0, 1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_document_masking_makes_a_packed_document_see_only_itself(attn):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from data_prep.packing import document_position_ids
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)  # fmt: skip
+    config._attn_implementation = attn
+    model = LlamaForCausalLM(config).eval()
+    row = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 3]])
+    alone = model(input_ids=row[:, 3:7]).logits[0]
+    masked = model(input_ids=row, position_ids=document_position_ids(row, 0)).logits[0, 3:7]
+    unmasked = model(input_ids=row).logits[0, 3:7]
+    assert torch.allclose(masked, alone, atol=1e-5)
+    assert not torch.allclose(unmasked, alone, atol=1e-3), "without masking the second document sees the first"

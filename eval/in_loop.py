@@ -1,0 +1,82 @@
+"""Benchmarks inside the training loop, on the live ZeRO-3-sharded model.
+
+Every rank calls `run_benchmarks` at the same step with the same settings, so every rank runs the same
+lm-eval requests in the same order with the same batch size: each forward pass, which gathers the sharded
+weights from all ranks, is matched on every rank, and generation runs with `synced_gpus` so a rank that has
+finished keeps taking part until all have. (The requests are not split over ranks: that would need lm-eval's
+own distributed gathering, which assumes a model replicated per rank.)
+
+lm-eval seeds Python's, NumPy's and torch's generators; the training RNG states are put back afterwards, and
+the model is returned to training mode. A failing benchmark is logged and training continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eval.harness import BenchmarkSettings, evaluate, format_table, headline_scores, write_results
+
+logger = logging.getLogger("eval")
+
+
+def capture_rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, step: int, output_dir: Path) -> dict:
+    """Scores (`mmlu/acc`, `gsm8k/exact_match_strict`, ...), the same on every rank, or {} when a benchmark failed.
+    The main process writes `output_dir/eval/step-N.json`. A collective: call it on every rank."""
+    rng = capture_rng_state()
+    was_training = model.training
+    model.eval()
+    started = time.perf_counter()
+    results, failure = None, ""
+    try:
+        results = evaluate(
+            accelerator.unwrap_model(model), tokenizer, settings, synced_generation=accelerator.num_processes > 1
+        )
+    except Exception as error:  # a benchmark must never end a run of weeks
+        failure = f"{type(error).__name__}: {error}"
+    finally:
+        restore_rng_state(rng)
+        if was_training:
+            model.train()
+    failed = torch.tensor([float(bool(failure))], device=accelerator.device)
+    failed = accelerator.reduce(failed, reduction="sum").item()
+    seconds = time.perf_counter() - started
+    if failed:
+        logger.error("step %d: benchmarks failed on %d rank(s), training continues: %s", step, failed, failure)
+        return {}
+    # lm-eval aggregates on the first rank of each node only (the others ran the same requests and get None).
+    scores = [None]
+    if accelerator.is_main_process:
+        documents = sum(n["effective"] for n in results["n-samples"].values())
+        scores = [
+            {
+                **headline_scores(results),
+                "benchmark_seconds": seconds,
+                "benchmark_seconds_per_document": seconds / max(documents, 1),
+            }
+        ]
+        write_results(results, output_dir / "eval" / f"step-{step}.json")
+        logger.info("step %d: benchmarks (%d documents, %.1f s)\n%s", step, documents, seconds, format_table(results))
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list(scores)[0]

@@ -1,0 +1,63 @@
+"""Evaluate a saved Hugging Face model on MMLU and GSM8K through lm-eval.
+
+    python -m eval.run --model outputs/demo/run/final --tasks mmlu,gsm8k \
+        --mmlu-dir data/eval/mmlu --gsm8k-dir data/eval/gsm8k [--limit N] [--num-fewshot 5] \
+        [--batch-size 8] [--max-gen-toks 256] --output results.json
+
+Writes lm-eval's results JSON (`results`, `n-samples`, `configs`, ...) and prints its table. Without
+--mmlu-dir / --gsm8k-dir the stock hub tasks are used, which needs the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from eval.data import BenchmarkDataError
+from eval.harness import BenchmarkSettings, evaluate, format_table, write_results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="directory of a saved model (and its tokenizer)")
+    parser.add_argument("--tokenizer", help="tokenizer directory when it is not saved with the model")
+    parser.add_argument("--tasks", default="mmlu,gsm8k", help="comma-separated: mmlu, gsm8k")
+    parser.add_argument("--mmlu-dir", help="MMLU release (test/, dev/ csv) or cais/mmlu snapshot (parquet)")
+    parser.add_argument("--gsm8k-dir", help="GSM8K release (test.jsonl, train.jsonl) or openai/gsm8k snapshot")
+    parser.add_argument("--limit", type=int, help="documents per task (per MMLU subject)")
+    parser.add_argument("--num-fewshot", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-gen-toks", type=int, help="GSM8K answer budget (lm-eval's default: 256)")
+    parser.add_argument("--output", required=True, help="results JSON path")
+    args = parser.parse_args(argv)
+    settings = BenchmarkSettings(
+        tasks=[task.strip() for task in args.tasks.split(",") if task.strip()],
+        mmlu_dir=args.mmlu_dir,
+        gsm8k_dir=args.gsm8k_dir,
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size,
+        max_gen_toks=args.max_gen_toks,
+    )
+    try:
+        settings.check()
+    except (BenchmarkDataError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    started = time.perf_counter()
+    results = evaluate(model, tokenizer, settings)
+    seconds = time.perf_counter() - started
+    write_results(results, args.output)
+    print(format_table(results))
+    samples = sum(n["effective"] for n in results["n-samples"].values())
+    print(f"{samples} documents in {seconds:.1f} s ({seconds / max(samples, 1):.2f} s per document); {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
