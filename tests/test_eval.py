@@ -1,0 +1,161 @@
+"""Benchmarks through lm-eval on fixture files written here: both offline layouts of MMLU and GSM8K,
+lm-eval's own prompts, the standalone runner, and the in-loop hook's RNG and mode hygiene."""
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from eval import fixtures
+from eval.data import BenchmarkDataError, check_gsm8k, check_mmlu, load_gsm8k, load_mmlu_subject
+from eval.harness import BenchmarkSettings, evaluate, task_specs
+from eval.in_loop import capture_rng_state, run_benchmarks
+from eval.run import main as run_main
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return fixtures.write(tmp_path_factory.mktemp("eval_data"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, corpus):
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    directory = tmp_path_factory.mktemp("model")
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_both_layouts_load_the_same_documents(data):
+    assert check_mmlu(data["mmlu_csv"]) == check_mmlu(data["mmlu_parquet"]) == list(fixtures.SUBJECTS)
+    for subject in fixtures.SUBJECTS:
+        csv_docs = load_mmlu_subject(data["mmlu_csv"], subject)
+        assert csv_docs == load_mmlu_subject(data["mmlu_parquet"], subject)
+        first = csv_docs["test"][0]
+        assert set(first) == {"question", "subject", "choices", "answer"} and len(first["choices"]) == 4
+        assert len(csv_docs["dev"]) == 5
+    assert load_gsm8k(data["gsm8k_jsonl"]) == load_gsm8k(data["gsm8k_parquet"])
+    assert check_gsm8k(data["gsm8k_jsonl"]) == 8
+
+
+def test_missing_or_malformed_data_names_what_was_expected(tmp_path, data):
+    with pytest.raises(BenchmarkDataError, match=r"does not exist"):
+        check_mmlu(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BenchmarkDataError, match=r"test/<subject>_test.csv .*<subject>/test-\*.parquet"):
+        check_mmlu(tmp_path / "empty")
+    with pytest.raises(BenchmarkDataError, match=r"test.jsonl and train.jsonl\) or an openai/gsm8k snapshot"):
+        check_gsm8k(tmp_path / "empty")
+    bad = tmp_path / "mmlu" / "test"
+    bad.mkdir(parents=True)
+    (bad / "anatomy_test.csv").write_text('"q",a,b,c,d,A\n"q2",a,b,c,d,E\n')
+    with pytest.raises(BenchmarkDataError, match=r"anatomy_test.csv:2: expected 6 columns .*answer letter A-D"):
+        check_mmlu(tmp_path / "mmlu")
+    (bad / "anatomy_test.csv").write_text('"q",a,b,c,d,A\n')
+    with pytest.raises(BenchmarkDataError, match=r"dev/anatomy_dev.csv is missing"):
+        check_mmlu(tmp_path / "mmlu")
+    gsm = tmp_path / "gsm"
+    gsm.mkdir()
+    (gsm / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
+    with pytest.raises(BenchmarkDataError, match=r"test.jsonl:1: expected 'question' and an 'answer' ending in"):
+        check_gsm8k(gsm)
+    (tmp_path / "hub" / "anatomy").mkdir(parents=True)
+    pq.write_table(pa.table({"question": ["q"]}), tmp_path / "hub" / "anatomy" / "test-0.parquet")
+    with pytest.raises(BenchmarkDataError, match=r"columns \['subject', 'choices', 'answer'\] missing"):
+        check_mmlu(tmp_path / "hub")
+    with pytest.raises(ValueError, match=r"eval_tasks: \['hellaswag'\] unknown"):
+        BenchmarkSettings(tasks=["hellaswag"]).check()
+
+
+def test_local_tasks_are_lm_evals_own_prompts_and_metrics(data):
+    import lm_eval.tasks
+    import yaml
+
+    specs = task_specs(BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_csv"]), str(data["gsm8k_jsonl"])))
+    group, gsm8k = specs
+    subject_task = group.get_all_tasks()[0]
+    root = Path(lm_eval.tasks.__file__).parent
+    template = yaml.safe_load((root / "mmlu/default/_default_template_yaml").read_text())
+    assert subject_task.config.doc_to_text == template["doc_to_text"]
+    assert subject_task.config.fewshot_split == "dev" and subject_task.config.test_split == "test"
+    doc = subject_task.test_docs()[0]
+    letters = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", doc["choices"], strict=True))
+    assert subject_task.doc_to_text(doc) == f"{doc['question'].strip()}\n{letters}\nAnswer:"
+    assert subject_task.doc_to_target(doc) == doc["answer"]
+    assert subject_task.config.description.startswith("The following are multiple choice questions")
+    stock = yaml.safe_load((root / "gsm8k/gsm8k.yaml").read_text())
+    assert gsm8k.config.doc_to_text == stock["doc_to_text"]
+    assert [f["name"] for f in gsm8k.config.filter_list] == ["strict-match", "flexible-extract"]
+    assert gsm8k.config.num_fewshot == 5
+
+
+def test_standalone_runner_on_both_layouts_writes_lm_eval_results(tmp_path, data, tiny_model_dir, capsys):
+    scores = []
+    for mmlu, gsm8k in (("mmlu_csv", "gsm8k_jsonl"), ("mmlu_parquet", "gsm8k_parquet")):
+        output = tmp_path / f"{mmlu}.json"
+        code = run_main(["--model", str(tiny_model_dir), "--tasks", "mmlu,gsm8k", "--mmlu-dir", str(data[mmlu]),
+                         "--gsm8k-dir", str(data[gsm8k]), "--limit", "4", "--max-gen-toks", "16",
+                         "--output", str(output)])  # fmt: skip
+        assert code == 0
+        results = json.loads(output.read_text())
+        assert {"mmlu", "mmlu_elementary_mathematics", "mmlu_high_school_computer_science", "gsm8k"} <= set(
+            results["results"]
+        )
+        assert results["n-samples"]["gsm8k"] == {"original": 8, "effective": 4}
+        assert results["n-shot"]["gsm8k"] == 5 and results["n-shot"]["mmlu_elementary_mathematics"] == 5
+        gsm = results["results"]["gsm8k"]
+        assert {"exact_match,strict-match", "exact_match,flexible-extract"} <= set(gsm)
+        scores.append({task: metrics.get("acc,none") for task, metrics in results["results"].items()})
+    assert scores[0] == scores[1], "the same documents in either layout give the same scores"
+    out = capsys.readouterr().out
+    assert "|mmlu" in out and "|gsm8k" in out and "per document" in out
+    assert run_main(["--model", str(tiny_model_dir), "--mmlu-dir", str(tmp_path / "no"), "--output", "x.json"]) == 2
+
+
+def test_in_loop_hook_restores_rng_and_training_mode(tmp_path, data, tiny_model_dir):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    settings = BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_parquet"]), str(data["gsm8k_jsonl"]), limit=2,
+                                 max_gen_toks=8)  # fmt: skip
+    torch.manual_seed(123)
+    random.seed(5)
+    np.random.seed(7)
+    before = capture_rng_state()
+    model.train()
+    scores = run_benchmarks(model, accelerator, tokenizer, settings, step=7, output_dir=tmp_path)
+    after = capture_rng_state()
+    assert model.training
+    assert torch.equal(before["torch"], after["torch"]) and before["python"] == after["python"]
+    assert all(np.array_equal(a, b) for a, b in zip(before["numpy"], after["numpy"], strict=True))
+    assert {"mmlu/acc", "gsm8k/exact_match_strict", "gsm8k/exact_match_flexible", "benchmark_seconds"} <= set(scores)
+    assert (
+        json.loads((tmp_path / "eval" / "step-7.json").read_text())["results"]["mmlu"]["acc,none"] == scores["mmlu/acc"]
+    )
+    # negative control: lm-eval itself reseeds, so without the hook the state does change
+    evaluate(model, tokenizer, settings)
+    assert not torch.equal(before["torch"], torch.get_rng_state())
+
+
+def test_a_failing_benchmark_is_logged_and_training_goes_on(tmp_path, data, tiny_model_dir, caplog):
+    from accelerate import Accelerator
+
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir).train()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    settings = BenchmarkSettings(["gsm8k"], gsm8k_dir=str(tmp_path / "vanished"))
+    scores = run_benchmarks(model, Accelerator(cpu=True), tokenizer, settings, step=3, output_dir=tmp_path)
+    assert scores == {} and model.training
+    assert "step 3: benchmarks failed" in caplog.text and "vanished" in caplog.text

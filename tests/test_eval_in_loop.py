@@ -1,0 +1,52 @@
+"""MMLU and GSM8K inside a real 2-process ZeRO-3 run: it finishes (no rank hangs in generation), writes
+lm-eval's results per step, logs the scores, and leaves training exactly as it would have been without them."""
+
+import json
+
+import pytest
+
+from eval import fixtures
+from recipes.metrics import read_metrics
+from tests.conftest import REPO, launch, tiny_overrides
+
+pytestmark = pytest.mark.multiprocess
+
+
+def run(corpus, output_dir, data, benchmarks: bool):
+    extra = dict(max_steps=8, eval_steps=2, logging_steps=1, save_steps=100, max_eval_samples=16, warmup_steps=2)
+    if benchmarks:
+        extra |= dict(eval_tasks="[mmlu, gsm8k]", eval_benchmarks_every=2, eval_limit=3, eval_max_gen_toks=12,
+                      mmlu_dir=data["mmlu_csv"], gsm8k_dir=data["gsm8k_parquet"])  # fmt: skip
+    result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, output_dir, **extra))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result, read_metrics(output_dir / "metrics.jsonl")
+
+
+def test_benchmarks_in_the_loop_under_zero3(tmp_path, corpus):
+    data = fixtures.write(tmp_path / "eval_data")
+    with_benchmarks, records = run(corpus, tmp_path / "with", data, benchmarks=True)
+    _, plain_records = run(corpus, tmp_path / "plain", data, benchmarks=False)
+
+    # every 2nd evaluation (steps 4 and 8), nothing at steps 2 and 6
+    assert sorted(p.name for p in (tmp_path / "with" / "eval").iterdir()) == ["step-4.json", "step-8.json"]
+    results = json.loads((tmp_path / "with" / "eval" / "step-8.json").read_text())
+    assert {"results", "n-samples", "configs", "versions"} <= set(results)
+    assert results["n-samples"]["gsm8k"]["effective"] == 3
+    scores = {r["step"]: r for r in records if "mmlu/acc" in r}
+    assert sorted(scores) == [4, 8]
+    assert scores[8]["mmlu/acc"] == results["results"]["mmlu"]["acc,none"]
+    assert "gsm8k/exact_match_strict" in scores[8] and "mmlu/elementary_mathematics/acc" in scores[8]
+    assert "step 8: benchmarks" in with_benchmarks.stderr
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "with" / "tensorboard"))
+    events.Reload()
+    assert {"mmlu/acc", "gsm8k/exact_match_flexible"} <= set(events.Tags()["scalars"])
+
+    # evaluation leaves no trace in training: RNG states restored, model back in training mode
+    def losses(rows, key):
+        return {r["step"]: r[key] for r in rows if key in r}
+
+    assert losses(records, "loss") == losses(plain_records, "loss")
+    assert losses(records, "eval_loss") == losses(plain_records, "eval_loss")
