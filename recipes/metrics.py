@@ -167,9 +167,21 @@ def run_report(output_dir: str | Path) -> str:
         lines.append(f"- peak host memory: {peaks}")
     if "wall_seconds" in summary:
         lines.append(f"- wall time: {summary['wall_seconds']:.0f} s")
-    scores = [r for r in records if any(k.startswith("benchmark/") for k in r)]
-    for record in scores[-1:]:
-        for key, value in record.items():
-            if key.startswith("benchmark/"):
-                lines.append(f"- {key.removeprefix('benchmark/')}: {value:.4f} (step {record['step']})")
+    mmlu = [r for r in records if "mmlu/acc" in r]
+    if mmlu:
+        trail = " -> ".join(f"{r['mmlu/acc']:.4f} (step {r['step']})" for r in mmlu)
+        lines.append(f"- MMLU accuracy (lm-eval, weighted over subjects): {trail}")
+    gsm8k = [r for r in records if "gsm8k/exact_match_strict" in r]
+    if gsm8k:
+        trail = " -> ".join(
+            f"{r['gsm8k/exact_match_strict']:.4f} / {r['gsm8k/exact_match_flexible']:.4f} (step {r['step']})"
+            for r in gsm8k
+        )
+        lines.append(f"- GSM8K exact match (lm-eval, strict / flexible extraction): {trail}")
+    timed = [r for r in records if "benchmark_seconds_per_document" in r]
+    if timed:
+        lines.append(
+            f"- benchmark time: {timed[-1]['benchmark_seconds']:.1f} s per evaluation, "
+            f"{timed[-1]['benchmark_seconds_per_document']:.2f} s per document (all ranks run every document)"
+        )
     return "\n".join(lines) + "\n"
