@@ -35,6 +35,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that was asked for, or is the newest, and cannot be used; the message says why."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank (a full disk, say); nothing was published or deleted."""
+
+
 def step_of(path: Path) -> int | None:
     match = CHECKPOINT_PATTERN.match(path.name)
     return int(match.group(1)) if match else None
@@ -157,12 +161,27 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict[
     if accelerator.is_main_process and staging.exists():
         shutil.rmtree(staging)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))  # collective: each rank writes its own ZeRO-3 shards
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_resolved_config(staging, config_dict)
-        (staging / "trainer_state.json").write_text(json.dumps({"global_step": step, **state}, indent=2))
-    accelerator.wait_for_everyone()
+    failure = ""
+    try:
+        accelerator.save_state(str(staging))  # collective: each rank writes its own ZeRO-3 shards
+        if accelerator.is_main_process:
+            write_resolved_config(staging, config_dict)
+            (staging / "trainer_state.json").write_text(json.dumps({"global_step": step, **state}, indent=2))
+    except (OSError, RuntimeError) as error:  # ENOSPC, EFBIG, EIO; torch.save reports them as RuntimeError
+        failure = f"{type(error).__name__}: {error}"
+    failed_ranks = _ranks_where(accelerator, bool(failure))
+    if failed_ranks:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)  # give the space back; nothing was published
+        accelerator.wait_for_everyone()
+        latest = output_dir / LATEST
+        previous = latest.read_text().strip() if latest.exists() else "none"
+        free_gb = shutil.disk_usage(output_dir).free / 1e9
+        raise CheckpointSaveError(
+            f"saving checkpoint-{step} failed on rank(s) {failed_ranks}" + (f" ({failure})" if failure else "")
+            + f"; {free_gb:.1f} GB free in {output_dir}. Nothing was published or deleted: the previous "
+            f"checkpoint ({previous}) is intact and a relaunch resumes from it"
+        )  # fmt: skip
     # Each rank hashes the shards it wrote, in parallel: at 70B each holds ~120 GB of the ~1 TB.
     from accelerate.utils import gather_object
 
@@ -187,6 +206,16 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict[
         _atomic_write_text(output_dir / LATEST, final.name + "\n")
     accelerator.wait_for_everyone()
     return final
+
+
+def _ranks_where(accelerator, condition: bool) -> list[int]:
+    """The ranks on which `condition` holds (a collective)."""
+    import torch
+
+    flags = torch.zeros(accelerator.num_processes, device=accelerator.device)
+    flags[accelerator.process_index] = float(condition)
+    flags = accelerator.reduce(flags, reduction="sum")
+    return [rank for rank in range(accelerator.num_processes) if flags[rank] > 0]
 
 
 def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: int | None, best: Path | None):

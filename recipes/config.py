@@ -131,6 +131,16 @@ class PretrainConfig:
     """Stop after this many evaluations without an eval_loss improvement; unset disables it."""
     early_stopping_threshold: float = 0.0
     """Minimum eval_loss decrease that counts as an improvement."""
+    loss_spike_factor: float | None = None
+    """A step whose loss (mean over ranks) exceeds this x the mean of the previous `loss_spike_window` steps
+    is a spike; unset turns the rule off."""
+    loss_spike_window: int = 100
+    """Steps in the running mean the spike rule compares against."""
+    loss_spike_action: str = "log"
+    """log: record the spike and go on; rollback: reload the last checkpoint and continue with the data after
+    the spike, skipping the window between."""
+    loss_spike_max_rollbacks: int = 3
+    """Rollbacks before the rule only logs (spikes that keep coming back need a person, not more rollbacks)."""
     eval_tasks: list[str] = field(default_factory=list)
     """Benchmarks run through lm-eval at evaluations: mmlu, gsm8k; empty turns them off."""
     eval_limit: int | None = None
@@ -356,6 +366,12 @@ def validate_static(config: PretrainConfig) -> None:
             raise ConfigError(f"early_stopping_patience must be >= 1 or unset, got {config.early_stopping_patience}")
         if not config.validation_files:
             raise ConfigError("early_stopping_patience needs validation_files: it watches eval_loss")
+    if config.loss_spike_factor is not None and config.loss_spike_factor <= 0:
+        raise ConfigError(f"loss_spike_factor must be > 0 or unset, got {config.loss_spike_factor}")
+    if config.loss_spike_window < 1 or config.loss_spike_max_rollbacks < 0:
+        raise ConfigError("loss_spike_window must be >= 1 and loss_spike_max_rollbacks >= 0")
+    if config.loss_spike_action not in ("log", "rollback"):
+        raise ConfigError(f"loss_spike_action {config.loss_spike_action!r} is not one of ['log', 'rollback']")
     if config.eval_benchmarks_every < 1:
         raise ConfigError(f"eval_benchmarks_every must be >= 1, got {config.eval_benchmarks_every}")
     if config.eval_limit is not None and config.eval_limit < 1:

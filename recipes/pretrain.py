@@ -35,7 +35,7 @@ from data_prep.readers import resolve_sources
 from data_prep.stream import PackedTextStream
 from eval.harness import BenchmarkSettings
 from recipes import checkpointing, deepspeed_config, metrics
-from recipes.checkpointing import CheckpointError
+from recipes.checkpointing import CheckpointError, CheckpointSaveError
 from recipes.config import ConfigError, PretrainConfig, load_config, validate_against_model, validate_for_world
 from recipes.model import (
     build_model,
@@ -49,7 +49,14 @@ from recipes.model import (
     training_flops_per_token,
 )
 from recipes.plan import format_plan, live_hardware, make_plan
-from recipes.run_state import EpochBatches, RunState, StopSignals, TrainingFault, ignore_stop_signals
+from recipes.run_state import (
+    EpochBatches,
+    LossSpikeRule,
+    RunState,
+    StopSignals,
+    TrainingFault,
+    ignore_stop_signals,
+)
 from recipes.schedule import lr_at_step
 from recipes.validation import load_validation_rows, validation_loss
 
@@ -221,6 +228,8 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
     stop_reason = "max_steps"
     flags = torch.zeros(2, device=accelerator.device)  # [data exhausted, stop signal], max over ranks
     nonfinite = torch.zeros(world_size, device=accelerator.device)
+    spikes = LossSpikeRule(config.loss_spike_factor, config.loss_spike_window) if config.loss_spike_factor else None
+    rollbacks = 0
     model.train()
     while state.step < total_steps:
         micro_batches = batches.take(config.gradient_accumulation_steps)
@@ -284,6 +293,34 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
                 f"non-finite gradient norm at step {state.step}: stopping without saving. "
                 f"Last good checkpoint: {hooks['last_checkpoint']() or 'none'}"
             )
+
+        if spikes is not None:
+            # The step's loss over all ranks (one scalar all-reduce; a 70B step takes ~100 s).
+            step_loss = accelerator.reduce(torch.stack(step_losses).double().mean(), reduction="mean").item()
+            running_mean = spikes.check(step_loss)
+            if running_mean is not None:
+                last = hooks["last_checkpoint"]()
+                act = config.loss_spike_action == "rollback" and last is not None
+                act = act and rollbacks < config.loss_spike_max_rollbacks
+                logger.warning(
+                    "step %d: loss spike %.4f > %.2f x running mean %.4f; %s",
+                    state.step,
+                    step_loss,
+                    config.loss_spike_factor,
+                    running_mean,
+                    f"rolling back to {last.name}, skipping the data since" if act else "logged only",
+                )
+                spike = {"loss_spike": step_loss, "loss_running_mean": running_mean, "loss_spike_step": state.step}
+                if act:
+                    rollbacks += 1
+                    hooks["rollback"](last)  # collective: every rank reloads; the data position stays
+                    window.zero_()
+                    window_seconds = 0.0
+                    progress.n = state.step
+                    spike["rolled_back_to_step"] = state.step
+                writer.write(state.step, spike)
+                if act:
+                    continue
 
         if state.step % config.logging_steps == 0 or state.step == total_steps:
             record = log_window(config, accelerator, model, window, window_seconds, lr, hooks["flops_per_token"])
@@ -444,6 +481,17 @@ def main(argv: list[str] | None = None) -> int:
     writer = metrics.MetricsWriter(output_dir, accelerator.is_main_process, config.prometheus_port)
     last_checkpoint: list[Path] = [resumed_from] if resumed_from else []
 
+    def rollback(path: Path) -> None:
+        """Model, optimizer, RNG and run state from `path`; the data position is kept, so the window between
+        the checkpoint and the spike is skipped rather than trained on again."""
+        accelerator.load_state(str(path))
+        replay_cpu_adam_bias_correction(optimizer)
+        saved = json.loads((path / "trainer_state.json").read_text())["run_state"]
+        for key, value in saved.items():
+            setattr(state, key, value)
+        if accelerator.is_main_process:
+            metrics.truncate_metrics(output_dir / "metrics.jsonl", after_step=state.step)
+
     def save(state: RunState) -> None:
         positions = gather_object([batches.position()])
         data_position = {
@@ -470,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         "eos_id": tokenizer.eos_token_id,
         "benchmarks": benchmarks_hook(config, accelerator, model, tokenizer, output_dir),
         "save": save,
+        "rollback": rollback,
         "writer": writer,
         "signals": signals,
         "last_checkpoint": lambda: last_checkpoint[0] if last_checkpoint else None,
@@ -480,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", error)
         writer.close()
         return 3
+    except CheckpointSaveError as error:
+        # Stop rather than train on without checkpoints: a run that cannot save is a week at risk.
+        logger.error("%s", error)
+        writer.close()
+        return 4
     logger.info("training stopped after %d steps: %s", state.step, stop_reason)
     if stop_reason.startswith("stop signal"):
         writer.close()

@@ -4,6 +4,7 @@ the signals and faults that stop it."""
 from __future__ import annotations
 
 import signal
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -119,3 +120,21 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+
+
+class LossSpikeRule:
+    """Loss above `factor` x the running mean of the last `window` healthy steps. Spikes are kept out of the
+    mean, so one bad step does not raise the bar for the next. The running mean starts empty after a restart."""
+
+    def __init__(self, factor: float, window: int):
+        self.factor = factor
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def check(self, loss: float) -> float | None:
+        """The running mean when `loss` is a spike, else None (and `loss` joins the mean)."""
+        if len(self.recent) == self.recent.maxlen:
+            mean = sum(self.recent) / len(self.recent)
+            if loss > self.factor * mean:
+                return mean
+        self.recent.append(loss)
+        return None

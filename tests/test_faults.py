@@ -1,0 +1,83 @@
+"""Loss spikes (logged, or rolled back with the offending data skipped) and a save that fails for lack of
+space, in real 2-process ZeRO-3 runs."""
+
+import json
+import resource
+import subprocess
+
+import pytest
+
+from recipes.checkpointing import manifest_problems, verify_checksums
+from recipes.metrics import read_metrics
+from recipes.run_state import LossSpikeRule
+from tests.conftest import REPO, launch_command, start, tiny_overrides
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 10
+ROWS_PER_STEP_PER_RANK = 16  # micro-batch 8 x accumulation 2
+
+
+def run(args, limit_bytes=None):
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    process = start(
+        launch_command(REPO / "recipes/pretrain.py", args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=limit_file_size if limit_bytes else None,
+    )
+    stdout, stderr = process.communicate(timeout=600)
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+def spike_args(corpus, output_dir, action):
+    # An aggressive rule (a loss above 0.98 x the mean of the last 3 steps) so that a tiny run has spikes.
+    return tiny_overrides(
+        corpus, output_dir, max_steps=STEPS, save_steps=2, logging_steps=1, eval_steps=100, warmup_steps=2,
+        loss_spike_factor=0.98, loss_spike_window=3, loss_spike_action=action, loss_spike_max_rollbacks=1,
+    )  # fmt: skip
+
+
+def test_loss_spikes_are_logged_then_rolled_back_with_the_data_window_skipped(tmp_path, corpus):
+    logged = run(spike_args(corpus, tmp_path / "log", "log"))
+    assert logged.returncode == 0, logged.stderr[-3000:]
+    records = read_metrics(tmp_path / "log" / "metrics.jsonl")
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    spikes = [r["loss_spike_step"] for r in records if "loss_spike" in r]
+    # the rule, replayed on the logged losses, finds exactly the logged spikes
+    rule = LossSpikeRule(0.98, 3)
+    assert spikes == [step for step in sorted(losses) if rule.check(losses[step]) is not None]
+    assert spikes, "the aggressive rule must fire in this run"
+    first = spikes[0]
+
+    rolled = run(spike_args(corpus, tmp_path / "rollback", "rollback"))
+    assert rolled.returncode == 0, rolled.stderr[-3000:]
+    checkpoint = (first - 1) // 2 * 2  # the last save before the spike (saves come after the check)
+    assert f"step {first}: loss spike" in rolled.stderr and f"rolling back to checkpoint-{checkpoint}" in rolled.stderr
+    records = read_metrics(tmp_path / "rollback" / "metrics.jsonl")
+    assert [r["rolled_back_to_step"] for r in records if "rolled_back_to_step" in r] == [checkpoint]
+    manifest = json.loads((tmp_path / "rollback" / f"checkpoint-{STEPS}" / "manifest.json").read_text())
+    skipped = first - checkpoint  # steps of data between the checkpoint and the spike, not trained on again
+    assert [p["rows_consumed"] for p in manifest["data_position"]["per_rank"]] == [
+        (STEPS + skipped) * ROWS_PER_STEP_PER_RANK
+    ] * 2
+    assert "logged only" in rolled.stderr or len(spikes) == 1, "after the one allowed rollback, spikes are logged"
+
+
+def test_a_save_that_fails_for_lack_of_space_keeps_the_previous_checkpoint(tmp_path, corpus):
+    output_dir = tmp_path / "run"
+    # a model whose optimizer shards (~80 MB per rank) exceed the file-size limit below
+    big = ["--model_config.hidden_size", "512", "--model_config.intermediate_size", "1376"]
+    args = [*tiny_overrides(corpus, output_dir, max_steps=2, save_steps=2, eval_steps=100, warmup_steps=1), *big]
+    first = run(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # the relaunch continues to step 4, where the save hits a 40 MB file-size limit (EFBIG, like a full disk)
+    resumed = run([*args, "--max_steps", "4"], limit_bytes=40 << 20)
+    assert resumed.returncode != 0
+    assert "saving checkpoint-4 failed on rank(s) [0, 1]" in resumed.stderr
+    assert "the previous checkpoint (checkpoint-2) is intact" in resumed.stderr
+    assert not (output_dir / "checkpoint-4").exists() and not list(output_dir.glob(".checkpoint-*.tmp"))
+    assert (output_dir / "latest").read_text().strip() == "checkpoint-2"
+    assert manifest_problems(output_dir / "checkpoint-2") == [] and verify_checksums(output_dir / "checkpoint-2") == []
