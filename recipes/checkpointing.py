@@ -29,6 +29,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 RESOLVED_CONFIG = "config.yaml"
 MIN_KEPT = 2
+UNIVERSAL_DIR = "universal"  # where `ds_to_universal` output goes inside a checkpoint, for world-size changes
 
 
 class CheckpointError(RuntimeError):
@@ -99,6 +100,11 @@ def verify_checksums(directory: Path) -> list[str]:
         for name, entry in manifest["files"].items()
         if sha256_of(directory / name) != entry["sha256"]
     ]
+
+
+def has_universal(directory: Path) -> bool:
+    """The checkpoint holds DeepSpeed's universal conversion (`universal/pytorch_model/zero/`)."""
+    return (Path(directory) / UNIVERSAL_DIR / "pytorch_model" / "zero").is_dir()
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

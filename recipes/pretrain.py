@@ -25,6 +25,7 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch recipes/p
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+import yaml
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
@@ -472,11 +473,14 @@ def main(argv: list[str] | None = None) -> int:
             config.gradient_checkpointing_layers_per_checkpoint,
         )
     optimizer = build_optimizer(model, config, deepspeed_config.offloads_optimizer(ds_config))
+    if resumed_from and checkpointing.read_manifest(resumed_from)["world_size"] != accelerator.num_processes:
+        # read by DeepSpeed when the engine is built: load_checkpoint then takes the universal format
+        accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     model, optimizer = accelerator.prepare(model, optimizer)
 
     state = RunState()
     if resumed_from:
-        restore(resumed_from, accelerator, batches, state, output_dir)
+        restore(resumed_from, accelerator, model, batches, state, config)
         replay_cpu_adam_bias_correction(optimizer)
     writer = metrics.MetricsWriter(output_dir, accelerator.is_main_process, config.prometheus_port)
     last_checkpoint: list[Path] = [resumed_from] if resumed_from else []
@@ -577,12 +581,17 @@ def find_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
         return None
     manifest = checkpointing.read_manifest(path)
     if manifest["world_size"] != accelerator.num_processes:
-        raise CheckpointError(
-            f"{path} was written by {manifest['world_size']} processes, this launch has "
-            f"{accelerator.num_processes}. ZeRO-3 shards are per rank: convert it with DeepSpeed's universal "
-            f"checkpoint (python -m deepspeed.checkpoint.ds_to_universal --input_folder {path}/pytorch_model "
-            "--output_folder <dir>) or relaunch on the original number of processes"
+        problem = world_size_change_problem(config, manifest, path, accelerator.num_processes)
+        if problem:
+            raise CheckpointError(problem)
+        logger.warning(
+            "resume: %s was written by %d processes; loading its universal checkpoint on %d. Per-rank RNG states "
+            "do not carry over (reseeded from seed + step), so the run continues exactly but not bit-identically",
+            path,
+            manifest["world_size"],
+            accelerator.num_processes,
         )
+        return path
     workers = manifest["data_position"]["dataloader_num_workers"]
     # A stream's position is per (rank, worker) shard; a preprocessed directory's is one global row index.
     if manifest["data_position"].get("kind") != "preprocessed" and workers != config.dataloader_num_workers:
@@ -593,20 +602,58 @@ def find_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
     return path
 
 
-def restore(path: Path, accelerator, batches: EpochBatches, state: RunState, output_dir: Path) -> None:
-    """Model, optimizer, RNG states, run state and data position, exactly as they were at the save."""
-    accelerator.load_state(str(path))  # collective: every rank loads its own shards and RNG states
+def world_size_change_problem(config: PretrainConfig, manifest: dict, path: Path, world_size: int) -> str | None:
+    """Why a checkpoint written by another number of processes cannot be resumed here (None: it can)."""
+    saved_world = manifest["world_size"]
+    head = f"{path} was written by {saved_world} processes, this launch has {world_size}"
+    if manifest["data_position"].get("kind") != "preprocessed":
+        return (
+            f"{head}. The raw-text data position is per rank and dataloader worker, so it cannot move to another "
+            f"world size: relaunch on {saved_world} processes, or train from a preprocessed directory "
+            "(python -m data_prep.preprocess), whose position is a global row index"
+        )
+    saved = yaml.safe_load((path / checkpointing.RESOLVED_CONFIG).read_text())
+    saved_batch = saved["per_device_train_batch_size"] * saved["gradient_accumulation_steps"] * saved_world
+    if saved_batch != config.resolved_global_batch_size(world_size):
+        return (
+            f"{head}, with a global batch of {saved_batch} rows; this launch's is "
+            f"{config.resolved_global_batch_size(world_size)}. Keep the global batch (micro-batch x accumulation x "
+            "processes) when changing the number of GPUs: the step count and the data position depend on it"
+        )
+    if not checkpointing.has_universal(path):
+        return (
+            f"{head}. ZeRO-3 shards are per rank: convert the checkpoint once with DeepSpeed's universal format, "
+            f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {path}/pytorch_model "
+            f"--output_folder {path}/{checkpointing.UNIVERSAL_DIR}/pytorch_model , then relaunch"
+        )
+    return None
+
+
+def restore(path: Path, accelerator, model, batches: EpochBatches, state: RunState, config: PretrainConfig) -> None:
+    """Model, optimizer, RNG states, run state and data position, exactly as they were at the save; from the
+    universal checkpoint when the world size changed (per-rank RNG states are then reseeded)."""
+    manifest = checkpointing.read_manifest(path)
+    same_world = manifest["world_size"] == accelerator.num_processes
+    if same_world:
+        accelerator.load_state(str(path))  # collective: every rank loads its own shards and RNG states
+    else:  # collective too; needs `checkpoint.load_universal` in the DeepSpeed config (set in main)
+        model.load_checkpoint(str(path / checkpointing.UNIVERSAL_DIR), tag="pytorch_model")
     saved = json.loads((path / "trainer_state.json").read_text())["run_state"]
     for key, value in saved.items():
         setattr(state, key, value)
-    saved_position = checkpointing.read_manifest(path)["data_position"]
-    position = saved_position["per_rank"][accelerator.process_index]
-    if saved_position.get("kind") == "preprocessed":
-        batches.restore(position["epoch"], saved_position["global_rows_consumed"] // accelerator.num_processes)
+    position = manifest["data_position"]
+    if position.get("kind") == "preprocessed":
+        rows = position["global_rows_consumed"] // accelerator.num_processes
+        batches.restore(position["per_rank"][0]["epoch"], rows)
     else:
-        batches.restore(position["epoch"], position["rows_consumed"])
+        mine = position["per_rank"][accelerator.process_index]
+        batches.restore(mine["epoch"], mine["rows_consumed"])
+    if not same_world:
+        from accelerate.utils import set_seed
+
+        set_seed(config.seed + state.step)
     if accelerator.is_main_process:
-        metrics.truncate_metrics(output_dir / "metrics.jsonl", after_step=state.step)
+        metrics.truncate_metrics(Path(config.output_dir) / "metrics.jsonl", after_step=state.step)
     logger.info("resume: continuing from %s at step %d", path, state.step)
 
 

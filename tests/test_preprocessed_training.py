@@ -91,3 +91,47 @@ def test_a_directory_made_for_another_row_length_is_refused_before_the_model(tmp
     assert result.returncode != 0
     assert "holds rows of 128 tokens, max_seq_length is 64" in result.stderr
     assert "parameters; this rank holds" not in result.stderr
+
+
+def test_resume_on_another_number_of_processes_through_the_universal_checkpoint(
+    tmp_path, uninterrupted, corpus, packed_dir
+):
+    """2 processes -> 1 with the same global batch (accumulation 2 -> 4): refused until the checkpoint is
+    converted, then the same rows are trained on; losses match the 2-process run up to summation order."""
+    import subprocess
+    import sys
+
+    output_dir = tmp_path / "one"
+    shutil.copytree(uninterrupted, output_dir)
+    shutil.rmtree(output_dir / f"checkpoint-{STEPS}")
+    shutil.rmtree(output_dir / "final")
+    args = run_args(corpus, packed_dir, output_dir, gradient_accumulation_steps=4)
+    refused = launch(REPO / "recipes/pretrain.py", args, num_processes=1)
+    assert refused.returncode != 0
+    command = f"ds_to_universal --input_folder {output_dir}/checkpoint-6/pytorch_model"
+    assert command in refused.stderr and "parameters; this rank holds" not in refused.stderr
+
+    subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+         str(output_dir / "checkpoint-6" / "pytorch_model"), "--output_folder",
+         str(output_dir / "checkpoint-6" / "universal" / "pytorch_model")],
+        check=True, capture_output=True, cwd=REPO,
+    )  # fmt: skip
+    resumed = launch(REPO / "recipes/pretrain.py", args, num_processes=1)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "loading its universal checkpoint on 1" in resumed.stderr
+    expected, train = train_losses(uninterrupted), train_losses(output_dir)
+    assert train[7] == pytest.approx(expected[7], rel=1e-6), "same model and same rows at the first step"
+    assert all(train[s] == pytest.approx(expected[s], rel=1e-4) for s in range(8, STEPS + 1))
+    manifest = json.loads((output_dir / f"checkpoint-{STEPS}" / "manifest.json").read_text())
+    assert manifest["world_size"] == 1 and manifest["data_position"]["global_rows_consumed"] == STEPS * 32
+
+
+def test_raw_text_positions_cannot_move_to_another_world_size(tmp_path, corpus):
+    output_dir = tmp_path / "raw"
+    first = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, output_dir, max_steps=2, save_steps=2))
+    assert first.returncode == 0, first.stderr[-3000:]
+    args = tiny_overrides(corpus, output_dir, max_steps=4, save_steps=2, gradient_accumulation_steps=4)
+    refused = launch(REPO / "recipes/pretrain.py", args, num_processes=1)
+    assert refused.returncode != 0
+    assert "raw-text data position is per rank" in refused.stderr and "data_prep.preprocess" in refused.stderr
