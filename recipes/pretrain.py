@@ -333,6 +333,12 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
             window_seconds = 0.0
 
         evaluate = state.step % config.eval_steps == 0 or state.step == total_steps
+        if evaluate and hooks["benchmarks"]:
+            evaluation = state.step // config.eval_steps
+            if evaluation % config.eval_benchmarks_every == 0 or state.step == total_steps:
+                scores = hooks["benchmarks"](state.step)  # every rank; a failure is logged and returns {}
+                if scores:
+                    writer.write(state.step, scores)
         if hooks["validation_rows"] is not None and evaluate:
             eval_loss = validation_loss(
                 model,
@@ -343,11 +349,6 @@ def train(config: PretrainConfig, accelerator, model, optimizer, batches: EpochB
             )
             writer.write(state.step, {"eval_loss": eval_loss})
             logger.info("step %d: eval_loss %.4f", state.step, eval_loss)
-            evaluation = state.step // config.eval_steps
-            if hooks["benchmarks"] and (evaluation % config.eval_benchmarks_every == 0 or state.step == total_steps):
-                scores = hooks["benchmarks"](state.step)
-                if scores:
-                    writer.write(state.step, scores)
             # eval_loss is all-reduced, so every rank takes the same early-stopping decision.
             best = state.best_eval_loss
             if best is None or eval_loss < best - config.early_stopping_threshold:

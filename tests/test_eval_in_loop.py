@@ -50,3 +50,11 @@ def test_benchmarks_in_the_loop_under_zero3(tmp_path, corpus):
 
     assert losses(records, "loss") == losses(plain_records, "loss")
     assert losses(records, "eval_loss") == losses(plain_records, "eval_loss")
+
+
+def test_a_missing_benchmark_directory_stops_the_run_before_the_model(tmp_path, corpus):
+    args = tiny_overrides(corpus, tmp_path / "out", eval_tasks="[mmlu]", mmlu_dir=tmp_path / "no_mmlu")
+    result = launch(REPO / "recipes/pretrain.py", args)
+    assert result.returncode != 0
+    assert f"mmlu_dir {tmp_path / 'no_mmlu'} does not exist" in result.stderr
+    assert "parameters; this rank holds" not in result.stderr
