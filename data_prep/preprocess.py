@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.readers import SKIP_REASONS, check_parquet_column, file_format, iter_records, resolve_sources
+from recipes.checkpointing import sha256_of
 
 FORMAT_VERSION = 1
 SHARD_DIR = "data"
@@ -77,14 +78,6 @@ def tokenizer_identity(tokenizer, name: str) -> dict:
         "vocab_size": len(tokenizer),
         "eos_id": tokenizer.eos_token_id,
     }
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # --- tokenizer processes ------------------------------------------------------------------------
@@ -227,7 +220,7 @@ class ShardWriter:
             return None
         self._writer.close()
         os.replace(self._temporary(), self._path())
-        shard = {"path": shard_name(self.index), "rows": self.rows_in_shard, "sha256": file_sha256(self._path())}
+        shard = {"path": shard_name(self.index), "rows": self.rows_in_shard, "sha256": sha256_of(self._path())}
         self.index, self.rows_in_shard, self._writer = self.index + 1, 0, None
         return shard
 

@@ -21,8 +21,9 @@ from transformers import AutoTokenizer
 
 from data_prep.packed_dataset import GlobalBatchSampler, PackedRows, micro_batch_rows
 from data_prep.packing import pack_documents
-from data_prep.preprocess import PreprocessError, file_sha256, main, preprocess
+from data_prep.preprocess import PreprocessError, main, preprocess
 from data_prep.readers import iter_texts
+from recipes.checkpointing import sha256_of
 from recipes.run_state import EpochBatches
 from tests.conftest import LAUNCH_ENV, REPO
 
@@ -57,7 +58,7 @@ def test_rows_equal_packing_every_document_in_order(preprocessed, corpus):
     assert manifest["dropped_tail_tokens"] < SEQ
     assert len(manifest["shards"]) == -(-len(expected) // 1000)
     for shard in manifest["shards"]:
-        assert file_sha256(out / shard["path"]) == shard["sha256"]
+        assert sha256_of(out / shard["path"]) == shard["sha256"]
     assert manifest["tokenizer"]["vocab_size"] == 1024 and manifest["dtype"] == "uint16"
     assert manifest["throughput"]["document_tokens_per_s"] > 0 and not manifest["throughput"]["resumed"]
     assert not (out / ".progress").exists()
