@@ -481,21 +481,14 @@ def main(argv: list[str] | None = None) -> int:
 
     state = RunState()
     if resumed_from:
-        restore(resumed_from, accelerator, model, batches, state, config)
-        replay_cpu_adam_bias_correction(optimizer)
+        restore(resumed_from, accelerator, model, optimizer, batches, state, config)
     writer = metrics.MetricsWriter(output_dir, accelerator.is_main_process, config.prometheus_port)
     last_checkpoint: list[Path] = [resumed_from] if resumed_from else []
 
     def rollback(path: Path) -> None:
-        """Model, optimizer, RNG and run state from `path`; the data position is kept, so the window between
-        the checkpoint and the spike is skipped rather than trained on again."""
-        accelerator.load_state(str(path))
-        replay_cpu_adam_bias_correction(optimizer)
-        saved = json.loads((path / "trainer_state.json").read_text())["run_state"]
-        for key, value in saved.items():
-            setattr(state, key, value)
-        if accelerator.is_main_process:
-            metrics.truncate_metrics(output_dir / "metrics.jsonl", after_step=state.step)
+        """The checkpoint's model, optimizer, RNG and run state; the data position is kept, so the window
+        between the checkpoint and the spike is skipped rather than trained on again."""
+        load_checkpoint_state(path, accelerator, model, optimizer, state, config)
 
     def save(state: RunState) -> None:
         positions = gather_object([batches.position()])
@@ -630,31 +623,38 @@ def world_size_change_problem(config: PretrainConfig, manifest: dict, path: Path
     return None
 
 
-def restore(path: Path, accelerator, model, batches: EpochBatches, state: RunState, config: PretrainConfig) -> None:
-    """Model, optimizer, RNG states, run state and data position, exactly as they were at the save; from the
-    universal checkpoint when the world size changed (per-rank RNG states are then reseeded)."""
+def load_checkpoint_state(path: Path, accelerator, model, optimizer, state: RunState, config: PretrainConfig) -> dict:
+    """Model, optimizer, RNG states and run state from `path` (a collective), and `metrics.jsonl` cut back to
+    its step; returns its manifest. From the universal checkpoint when the world size changed (per-rank RNG
+    states are then reseeded). Resume and loss-spike rollback both go through here."""
     manifest = checkpointing.read_manifest(path)
     same_world = manifest["world_size"] == accelerator.num_processes
     if same_world:
-        accelerator.load_state(str(path))  # collective: every rank loads its own shards and RNG states
-    else:  # collective too; needs `checkpoint.load_universal` in the DeepSpeed config (set in main)
+        accelerator.load_state(str(path))  # every rank loads its own shards and RNG states
+    else:  # needs `checkpoint.load_universal` in the DeepSpeed config (set in main)
         model.load_checkpoint(str(path / checkpointing.UNIVERSAL_DIR), tag="pytorch_model")
+    replay_cpu_adam_bias_correction(optimizer)
     saved = json.loads((path / "trainer_state.json").read_text())["run_state"]
     for key, value in saved.items():
         setattr(state, key, value)
-    position = manifest["data_position"]
-    if position.get("kind") == "preprocessed":
-        rows = position["global_rows_consumed"] // accelerator.num_processes
-        batches.restore(position["per_rank"][0]["epoch"], rows)
-    else:
-        mine = position["per_rank"][accelerator.process_index]
-        batches.restore(mine["epoch"], mine["rows_consumed"])
     if not same_world:
         from accelerate.utils import set_seed
 
         set_seed(config.seed + state.step)
     if accelerator.is_main_process:
         metrics.truncate_metrics(Path(config.output_dir) / "metrics.jsonl", after_step=state.step)
+    return manifest
+
+
+def restore(path: Path, accelerator, model, optimizer, batches: EpochBatches, state: RunState, config) -> None:
+    """Everything `load_checkpoint_state` restores, and the data position, exactly as at the save."""
+    position = load_checkpoint_state(path, accelerator, model, optimizer, state, config)["data_position"]
+    if position.get("kind") == "preprocessed":
+        rows = position["global_rows_consumed"] // accelerator.num_processes
+        batches.restore(position["per_rank"][0]["epoch"], rows)
+    else:
+        mine = position["per_rank"][accelerator.process_index]
+        batches.restore(mine["epoch"], mine["rows_consumed"])
     logger.info("resume: continuing from %s at step %d", path, state.step)
 
 
