@@ -3,6 +3,7 @@ lm-eval's results per step, logs the scores, and leaves training exactly as it w
 
 import json
 
+import numpy as np
 import pytest
 
 from eval import fixtures
@@ -44,7 +45,22 @@ def test_benchmarks_in_the_loop_under_zero3(tmp_path, corpus):
     events.Reload()
     assert {"mmlu/acc", "gsm8k/exact_match_flexible"} <= set(events.Tags()["scalars"])
 
-    # evaluation leaves no trace in training: RNG states restored, model back in training mode
+    # evaluation leaves no trace in training. The tiny model has no dropout, so the losses alone would not
+    # notice an RNG left reseeded by lm-eval; the RNG states each rank saves at step 8 (after the benchmarks)
+    # do, and must equal the run without benchmarks.
+    import torch
+
+    for rank in range(2):
+        ours, plain = (
+            torch.load(tmp_path / run_dir / "checkpoint-8" / f"random_states_{rank}.pkl", weights_only=False)
+            for run_dir in ("with", "plain")
+        )
+        assert ours["random_state"] == plain["random_state"]
+        assert torch.equal(ours["torch_manual_seed"], plain["torch_manual_seed"])
+        assert all(
+            np.array_equal(a, b) for a, b in zip(ours["numpy_random_seed"], plain["numpy_random_seed"], strict=True)
+        )
+
     def losses(rows, key):
         return {r["step"]: r[key] for r in rows if key in r}
 
