@@ -9,6 +9,9 @@ BIN := $(VENV)/bin
 # CPU build these machines carry. With a GPU, leave TORCH empty and pip picks the CUDA build.
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,torch==2.13.0)
 DEMO ?= outputs/demo
+# bf16 where the CPU computes it natively (AVX512-BF16, AMX); elsewhere torch emulates bf16 matmuls ~100x
+# slower than fp32, and the demo trains in fp32 (tests/conftest.py applies the same rule).
+DEMO_BF16 ?= $(if $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo y),true,false)
 # DeepSpeed would otherwise look for CUDA; this Makefile's runs are CPU runs.
 export DS_ACCELERATOR ?= cpu
 
@@ -30,7 +33,7 @@ demo: install
 	$(BIN)/python -m eval.fixtures --output $(DEMO)/eval_data
 	rm -rf $(DEMO)/run
 	$(BIN)/accelerate launch --config_file accelerate_configs/zero3_cpu.yaml recipes/pretrain.py \
-		--config recipes/configs/tiny_cpu.yaml --output_dir $(DEMO)/run
+		--config recipes/configs/tiny_cpu.yaml --output_dir $(DEMO)/run --bf16 $(DEMO_BF16)
 	$(BIN)/python -m recipes.summarize $(DEMO)/run
 
 lint: install

@@ -147,6 +147,27 @@ def memory_check(path: Path, tokenizer_dir: str, seq_len: int, workers: int, scr
     return result
 
 
+def print_table(rate: dict, memory: dict, workers: int) -> None:
+    print(f"{'method':<44}{'tokens/s':>12}{'x raw':>8}")
+    labels = {
+        "raw_tokenizer_tokens_per_s": "(a) raw tokenizer, batched (faster call)",
+        "raw_transformers_call_tokens_per_s": "    transformers tokenizer(batch)",
+        "raw_backend_encode_batch_fast_tokens_per_s": "    tokenizers encode_batch_fast",
+        "pipeline_tokens_per_s": "(b) streaming tokenize-and-pack",
+        "preprocess_1_worker_tokens_per_s": "(c) offline preprocess, 1 worker",
+        "preprocess_tokens_per_s": f"(c) offline preprocess, {workers} workers",
+        "run_clm_tokens_per_s": "(d) run_clm: datasets map + group_texts",
+    }
+    for key, label in labels.items():
+        print(f"{label:<44}{rate[key]:>12,.0f}{rate[key] / rate['raw_tokenizer_tokens_per_s']:>8.2f}")
+    if memory:
+        print(
+            f"preprocess peak memory (main + workers): {memory['preprocess_peak_rss_mb_10mb']:.0f} MB at 10 MB, "
+            f"{memory['preprocess_peak_rss_mb_200mb']:.0f} MB at 200 MB "
+            f"({memory['preprocess_peak_rss_ratio_200_vs_10']:.2f}x)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="a jsonl file with a 'text' field")
@@ -198,24 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         **memory,
     }
-    print(f"{'method':<44}{'tokens/s':>12}{'x raw':>8}")
-    labels = {
-        "raw_tokenizer_tokens_per_s": "(a) raw tokenizer, batched (faster call)",
-        "raw_transformers_call_tokens_per_s": "    transformers tokenizer(batch)",
-        "raw_backend_encode_batch_fast_tokens_per_s": "    tokenizers encode_batch_fast",
-        "pipeline_tokens_per_s": "(b) streaming tokenize-and-pack",
-        "preprocess_1_worker_tokens_per_s": "(c) offline preprocess, 1 worker",
-        "preprocess_tokens_per_s": f"(c) offline preprocess, {args.workers} workers",
-        "run_clm_tokens_per_s": "(d) run_clm: datasets map + group_texts",
-    }
-    for key, label in labels.items():
-        print(f"{label:<44}{rate[key]:>12,.0f}{rate[key] / rate['raw_tokenizer_tokens_per_s']:>8.2f}")
-    if memory:
-        print(
-            f"preprocess peak memory (main + workers): {memory['preprocess_peak_rss_mb_10mb']:.0f} MB at 10 MB, "
-            f"{memory['preprocess_peak_rss_mb_200mb']:.0f} MB at 200 MB "
-            f"({memory['preprocess_peak_rss_ratio_200_vs_10']:.2f}x)"
-        )
+    print_table(rate, memory, args.workers)
     print(json.dumps(result))
     return 0
 

@@ -25,51 +25,69 @@ REPO = Path(__file__).resolve().parent.parent
 VOCAB_SIZE = 2048
 
 
-class FixedBatches:
+def fixed_batches(micro_batches):
     """Stands in for the dataloader: the same micro-batches every step, so data cost is equal and zero."""
+    from recipes.train_data import TrainData
 
-    def __init__(self, micro_batches):
-        self.micro_batches = micro_batches
-        self.rows_consumed = 0
-        self.epoch = 0
+    class FixedBatches(TrainData):
+        def __init__(self):
+            self.micro_batches = micro_batches
 
-    def take(self, count):
-        return self.micro_batches[:count]
+        def take(self, count):
+            return self.micro_batches[:count]
+
+    return FixedBatches()
+
+
+def recipe_trainer(config, accelerator, model, optimizer, micro_batches, metrics, signals, num_params):
+    """The real Trainer with the recipe's callbacks; checkpoints are left out, as saving is outside the timed
+    step in a real run too."""
+    from recipes.callbacks import PeriodicCheckpoint, callbacks_for
+    from recipes.checkpointing import Checkpointer
+    from recipes.plan import training_flops_per_token
+    from recipes.run_state import RunState
+    from recipes.trainer import Trainer
+
+    shape = config.model_config
+    flops = training_flops_per_token(
+        num_params, shape["num_hidden_layers"], config.max_seq_length, shape["hidden_size"]
+    )
+    callbacks = callbacks_for(
+        config, flops_per_token=flops, validation_rows=None, eos_id=0, benchmarks=None, tokenizer=None
+    )
+    state = RunState()
+    checkpointer = Checkpointer(accelerator, model, config.output_dir, None, {}, {"run_state": state})
+    return Trainer(
+        config, accelerator, model, optimizer, data=fixed_batches(micro_batches), checkpointer=checkpointer,
+        metrics=metrics, signals=signals, state=state, eos_id=0, num_parameters=num_params,
+        callbacks=[c for c in callbacks if not isinstance(c, PeriodicCheckpoint)],
+    )  # fmt: skip
 
 
 def worker(steps: int, repeats: int, output: str) -> None:
     import torch
 
     from recipes.config import load_config
-    from recipes.deepspeed_config import offloads_optimizer
     from recipes.metrics import MetricsWriter
-    from recipes.model import build_model, build_optimizer, llama_config, training_flops_per_token
-    from recipes.pretrain import configure_logging, setup_distributed, train
-    from recipes.run_state import RunState, StopSignals
+    from recipes.model import build_engine, llama_config
+    from recipes.run_state import StopSignals
+    from recipes.startup import configure_logging, setup_distributed
 
     run_dir = tempfile.mkdtemp(prefix="step_overhead_")
     config = load_config(
         REPO / "recipes/configs/tiny_cpu.yaml",
-        ["--output_dir", run_dir, "--max_steps", str(steps), "--save_steps", str(10**9), "--eval_steps", str(10**9)],
-    )
+        ["--output_dir", run_dir, "--max_steps", str(steps), "--save_steps", str(10**9), "--eval_steps", str(10**9),
+         "--eval_tasks", "[]", "--validation_files", "[]", "--early_stopping_patience", "null"],
+    )  # fmt: skip
     accelerator, ds_config = setup_distributed(config)
     configure_logging(accelerator)
-    model_config = llama_config(config, VOCAB_SIZE)
-    model = build_model(config, model_config, "sdpa", torch.bfloat16)
-    optimizer = build_optimizer(model, config, offloads_optimizer(ds_config))
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer, num_params = build_engine(
+        config, llama_config(config, VOCAB_SIZE), "sdpa", ds_config, accelerator, False
+    )
     generator = torch.Generator().manual_seed(accelerator.process_index)
     shape = (config.per_device_train_batch_size, config.max_seq_length)
     micro_batches = [torch.randint(0, VOCAB_SIZE, shape, generator=generator) for _ in range(2)]
-    writer = MetricsWriter(run_dir, accelerator.is_main_process)
-    hooks = {
-        "flops_per_token": training_flops_per_token(1, 1, 1, 1),
-        "validation_rows": None,
-        "save": lambda state: None,
-        "writer": writer,
-        "signals": StopSignals(),
-        "last_checkpoint": lambda: None,
-    }
+    metrics, signals = MetricsWriter(run_dir, accelerator.is_main_process), StopSignals()
 
     def bare() -> None:
         model.train()
@@ -79,7 +97,7 @@ def worker(steps: int, repeats: int, output: str) -> None:
                 accelerator.backward(model(input_ids=input_ids, labels=input_ids).loss)
 
     def recipe() -> None:
-        train(config, accelerator, model, optimizer, FixedBatches(micro_batches), RunState(), hooks)
+        recipe_trainer(config, accelerator, model, optimizer, micro_batches, metrics, signals, num_params).fit()
 
     timings: dict[str, list[float]] = {"bare": [], "recipe": []}
     bare()  # warm-up: allocations, DeepSpeed's first-step setup
@@ -91,7 +109,7 @@ def worker(steps: int, repeats: int, output: str) -> None:
             loop()
             accelerator.wait_for_everyone()
             timings[name].append((time.perf_counter() - started) / steps)
-    writer.close()
+    metrics.close()
     if accelerator.is_main_process:
         Path(output).write_text(json.dumps(timings))
     accelerator.end_training()

@@ -17,11 +17,31 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from data_prep.preprocess import MANIFEST, tokenizer_identity
+from data_prep.format import MANIFEST, tokenizer_identity
 
 
-def is_preprocessed(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
+def read_data_manifest(directory: Path) -> dict:
+    """A preprocessing manifest of the expected shape, or ValueError naming the file and what it lacks."""
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error}); preprocess again") from None
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    valid = (
+        isinstance(manifest, dict)
+        and isinstance(manifest.get("seq_len"), int)
+        and isinstance(manifest.get("tokenizer"), dict)
+        and isinstance(shards, list)
+        and all(
+            isinstance(s, dict) and isinstance(s.get("path"), str) and isinstance(s.get("rows"), int) for s in shards
+        )
+    )
+    if not valid:
+        raise ValueError(
+            f"{path}: not a preprocessing manifest (it needs seq_len, tokenizer and shards); preprocess again"
+        )
+    return manifest
 
 
 class PackedRows(Dataset):
@@ -32,7 +52,7 @@ class PackedRows(Dataset):
         import pyarrow.parquet as pq
 
         self.directory = Path(directory)
-        self.manifest = json.loads((self.directory / MANIFEST).read_text())
+        self.manifest = read_data_manifest(self.directory)
         self.seq_len = self.manifest["seq_len"]
         self._groups: list[tuple[int, Path, int]] = []  # (first row, shard, row group)
         first = 0

@@ -28,7 +28,7 @@ listed as file:line (the first few of each kind); `--strict` makes the first one
 from __future__ import annotations
 
 import argparse
-import hashlib
+import errno
 import json
 import os
 import resource
@@ -41,43 +41,32 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.readers import SKIP_REASONS, check_parquet_column, file_format, iter_records, resolve_sources
-from recipes.checkpointing import sha256_of
+from common.files import atomic_write, atomic_write_text, sha256_of
+from common.lock import LOCK_FILE, DirectoryLock, LockedError
+from common.process import die_with_parent
+from data_prep.format import FORMAT_VERSION, MANIFEST, SHARD_DIR, shard_name, token_dtype, tokenizer_identity
+from data_prep.packing import MAX_DOCUMENT_CHARS, split_text
+from data_prep.readers import (
+    SKIP_REASONS,
+    CorruptFileError,
+    check_parquet_column,
+    file_format,
+    iter_records,
+    resolve_sources,
+)
+from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
 
-FORMAT_VERSION = 1
-SHARD_DIR = "data"
 PROGRESS_DIR = ".progress"
-MANIFEST = "manifest.json"
+PROGRESS_FILE = "progress.npz"
 DOCS_PER_CHUNK = 512  # one unit of work for a tokenizer process: this many documents ...
 CHARS_PER_CHUNK = 1 << 20  # ... or this much text, whichever comes first
 EXAMPLES_PER_REASON = 5
+CORRUPT_FILE = "corrupt_file"  # a whole input file that ended early or failed its checks (--skip-corrupt-files)
 ROWS_PER_ROW_GROUP = 512  # random access in training decodes one row group (~2 MB at 2048 x uint16)
 
 
 class PreprocessError(RuntimeError):
     """Bad input or a conflicting output: the message names the file, line or setting."""
-
-
-def shard_name(index: int) -> str:
-    return f"{SHARD_DIR}/train-{index:05d}.parquet"
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
-
-
-def tokenizer_identity(tokenizer, name: str) -> dict:
-    """Name and a content hash of a fast tokenizer: its full serialization (vocabulary, merges, normalizer,
-    pre-tokenizer, added tokens) plus EOS, so a copy in another directory has the same identity."""
-    serialized = tokenizer.backend_tokenizer.to_str()
-    digest = hashlib.sha256(serialized.encode("utf-8"))
-    digest.update(f"eos={tokenizer.eos_token_id}".encode())
-    return {
-        "name": str(name),
-        "sha256": digest.hexdigest(),
-        "vocab_size": len(tokenizer),
-        "eos_id": tokenizer.eos_token_id,
-    }
 
 
 # --- tokenizer processes ------------------------------------------------------------------------
@@ -87,6 +76,7 @@ _WORKER_EOS = None
 
 
 def _init_worker(serialized: str, eos_id: int) -> None:
+    die_with_parent()  # a killed preprocessing leaves no tokenizer process behind
     # One core per process: N workers use N cores, rather than N Rust thread pools fighting over them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
@@ -95,13 +85,16 @@ def _init_worker(serialized: str, eos_id: int) -> None:
     _WORKER_TOKENIZER, _WORKER_EOS = Tokenizer.from_str(serialized), eos_id
 
 
-def _tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, int]:
-    """Token ids of the documents, each followed by EOS, as one flat array; and the count without EOS."""
+def _tokenize_chunk(pieces: list[str], ends: list[bool]) -> tuple[np.ndarray, int, int, float]:
+    """Token ids of the pieces as one flat array, EOS after each piece that ends a document; the tokens without
+    EOS, the documents ended, and this process's peak RSS (measured: it includes the tokenizer's native memory)."""
     ids: list[int] = []
-    for encoding in _WORKER_TOKENIZER.encode_batch_fast(texts, add_special_tokens=False):
+    for encoding, end in zip(_WORKER_TOKENIZER.encode_batch_fast(pieces, add_special_tokens=False), ends, strict=True):
         ids.extend(encoding.ids)
-        ids.append(_WORKER_EOS)
-    return np.asarray(ids, dtype=np.int32), len(ids) - len(texts)
+        if end:
+            ids.append(_WORKER_EOS)
+    documents = sum(ends)
+    return np.asarray(ids, dtype=np.int32), len(ids) - documents, documents, _peak_rss_mb()
 
 
 def _peak_rss_mb() -> float:
@@ -114,20 +107,23 @@ def _peak_rss_mb() -> float:
 @dataclass
 class Progress:
     file_index: int = 0  # next record to read: this file ...
-    next_line: int = 1  # ... from this 1-based line on
+    next_line: int = 1  # ... from this 1-based line on ...
+    next_piece: int = 0  # ... and this piece of it (a document longer than --max-document-chars comes in pieces)
     num_documents: int = 0
     num_document_tokens: int = 0  # without the EOS after each document
     num_sequences: int = 0  # rows written to shards
-    skipped: dict = field(default_factory=lambda: {reason: 0 for reason in SKIP_REASONS})
-    skipped_examples: dict = field(default_factory=lambda: {reason: [] for reason in SKIP_REASONS})
+    skipped: dict = field(default_factory=lambda: {reason: 0 for reason in (*SKIP_REASONS, CORRUPT_FILE)})
+    skipped_examples: dict = field(default_factory=lambda: {reason: [] for reason in (*SKIP_REASONS, CORRUPT_FILE)})
+    peak_rss_mb_worker: float = 0.0
     shards: list = field(default_factory=list)  # {"path", "rows", "sha256"}
     elapsed_s: float = 0.0  # over every invocation
 
 
 def settings_conflict(saved: dict, wanted: dict) -> str | None:
-    for key in ("format_version", "seq_len", "text_field", "inputs", "rows_per_shard"):
-        if saved.get(key) != wanted[key]:
-            return f"{key} is {saved.get(key)!r} there, {wanted[key]!r} now"
+    defaults = {"max_document_chars": MAX_DOCUMENT_CHARS}  # outputs made before the key existed
+    for key in ("format_version", "seq_len", "text_field", "inputs", "rows_per_shard", "max_document_chars"):
+        if saved.get(key, defaults.get(key)) != wanted[key]:
+            return f"{key} is {saved.get(key, defaults.get(key))!r} there, {wanted[key]!r} now"
     if saved.get("tokenizer", {}).get("sha256") != wanted["tokenizer"]["sha256"]:
         return (
             f"it was made with tokenizer {saved.get('tokenizer', {}).get('name')!r} "
@@ -138,32 +134,35 @@ def settings_conflict(saved: dict, wanted: dict) -> str | None:
 
 
 def load_progress(out: Path, settings: dict) -> tuple[Progress, np.ndarray] | None:
-    """Where an interrupted run over the same settings stopped; None for a fresh start.
+    """Where an interrupted run over the same settings stopped; None when the output is already complete.
     Refuses an output made with other settings, and a directory that holds anything else."""
-    manifest, state = out / MANIFEST, out / PROGRESS_DIR / "state.json"
-    if manifest.exists() or state.exists():
-        saved = json.loads((manifest if manifest.exists() else state).read_text())
-        conflict = settings_conflict(saved["settings"], settings)
-        if conflict:
-            raise PreprocessError(f"{out} holds another preprocessing run ({conflict}); choose a new --output")
-        if manifest.exists():
-            return None
-        progress = Progress(**saved["progress"])
-        carry = np.load(out / PROGRESS_DIR / "carry.npy")
-        return progress, carry
-    if out.exists() and any(entry.name != SHARD_DIR for entry in out.iterdir()):
+    manifest, state = out / MANIFEST, out / PROGRESS_DIR / PROGRESS_FILE
+    if manifest.exists():
+        _refuse_other_settings(out, json.loads(manifest.read_text())["settings"], settings)
+        return None
+    if state.exists():
+        with np.load(state) as saved:
+            record, carry = json.loads(str(saved["state"])), saved["carry"]
+        _refuse_other_settings(out, record["settings"], settings)
+        return Progress(**record["progress"]), carry
+    if out.exists() and any(entry.name not in (SHARD_DIR, LOCK_FILE) for entry in out.iterdir()):
         raise PreprocessError(f"{out} exists and is not a preprocessing output; choose an empty or new --output")
     return Progress(), np.zeros(0, dtype=np.int32)
 
 
+def _refuse_other_settings(out: Path, saved: dict, wanted: dict) -> None:
+    conflict = settings_conflict(saved, wanted)
+    if conflict:
+        raise PreprocessError(f"{out} holds another preprocessing run ({conflict}); choose a new --output")
+
+
 def save_progress(out: Path, settings: dict, progress: Progress, carry: np.ndarray) -> None:
+    """The position and the tokens not yet in a published shard, in one file replaced atomically: a kill
+    between two separate files would pair a new carry with an old position and lose or repeat tokens."""
     directory = out / PROGRESS_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    np.save(directory / "carry.tmp.npy", carry)
-    os.replace(directory / "carry.tmp.npy", directory / "carry.npy")
-    temporary = directory / "state.tmp.json"
-    temporary.write_text(json.dumps({"settings": settings, "progress": asdict(progress)}))
-    os.replace(temporary, directory / "state.json")
+    state = json.dumps({"settings": settings, "progress": asdict(progress)})
+    atomic_write(directory / PROGRESS_FILE, lambda handle: np.savez(handle, state=np.array(state), carry=carry))
 
 
 class ShardWriter:
@@ -192,20 +191,25 @@ class ShardWriter:
                 completed.append((self.close(), rows))
         return completed
 
-    def _flush(self) -> None:
+    def _flush(self, final: bool = False) -> None:
+        """Write whole row groups of ROWS_PER_ROW_GROUP rows (and, when `final`, the shard's last, shorter one):
+        the file's layout then depends on its rows alone, not on how they arrived, so a resumed run writes the
+        same bytes as an uninterrupted one."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        if not self._buffered:
+        rows = np.concatenate(self._buffer) if self._buffer else np.zeros((0, self.seq_len), self.dtype)
+        kept = 0 if final else len(rows) % ROWS_PER_ROW_GROUP
+        written, rows = rows[: len(rows) - kept], rows[len(rows) - kept :]
+        self._buffer, self._buffered = ([rows] if kept else []), kept
+        if not len(written):
             return
-        rows = np.concatenate(self._buffer)
-        offsets = pa.array(np.arange(0, rows.size + 1, self.seq_len, dtype=np.int32))
-        table = pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pa.array(rows.ravel()))})
+        offsets = pa.array(np.arange(0, written.size + 1, self.seq_len, dtype=np.int32))
+        table = pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pa.array(written.ravel()))})
         if self._writer is None:
             self._path().parent.mkdir(parents=True, exist_ok=True)
             self._writer = pq.ParquetWriter(self._temporary(), table.schema, compression="zstd")
         self._writer.write_table(table, row_group_size=ROWS_PER_ROW_GROUP)
-        self._buffer, self._buffered = [], 0
 
     def _path(self) -> Path:
         return self.out / shard_name(self.index)
@@ -215,7 +219,7 @@ class ShardWriter:
 
     def close(self) -> dict | None:
         """Publish the open shard (None when it is empty)."""
-        self._flush()
+        self._flush(final=True)
         if self._writer is None:
             return None
         self._writer.close()
@@ -249,34 +253,63 @@ def check_inputs(patterns: list[str], text_field: str) -> list[str]:
     return sources
 
 
-def iter_chunks(sources: list[str], text_field: str, progress: Progress, strict: bool):
-    """(texts, position after them) in corpus order from the saved position; skipped records are counted
+def iter_chunks(sources: list[str], text_field: str, progress: Progress, strict: bool, max_document_chars: int,
+                skip_corrupt_files: bool):  # fmt: skip
+    """(pieces, ends, position after them) in corpus order from the saved position. A document longer than
+    `max_document_chars` comes as several pieces, `ends` True on its last. Skipped records and files are counted
     into `progress` as they are read."""
-    texts: list[str] = []
+    pieces: list[str] = []
+    ends: list[bool] = []
     chars = 0
     for file_index in range(progress.file_index, len(sources)):
         source = sources[file_index]
-        start = progress.next_line if file_index == progress.file_index else 1
+        start, first_piece = (progress.next_line, progress.next_piece) if file_index == progress.file_index else (1, 0)
         last_line = start - 1
-        for record in iter_records(source, text_field, start_line=start):
-            last_line = record.line
-            if record.skipped:
-                if strict:
-                    raise PreprocessError(f"{source}:{record.line}: {record.skipped.replace('_', ' ')} (--strict)")
-                progress.skipped[record.skipped] += 1
-                examples = progress.skipped_examples[record.skipped]
-                if len(examples) < EXAMPLES_PER_REASON:
-                    examples.append(f"{source}:{record.line}")
-                continue
-            texts.append(record.text)
-            chars += len(record.text)
-            if len(texts) == DOCS_PER_CHUNK or chars >= CHARS_PER_CHUNK:
-                yield texts, (file_index, record.line + 1)
-                texts, chars = [], 0
-        if texts:
-            yield texts, (file_index, last_line + 1)
-            texts, chars = [], 0
-    yield [], (len(sources), 1)  # marks the end, so the final position is recorded
+        try:
+            for record in iter_records(source, text_field, start_line=start):
+                last_line = record.line
+                if record.skipped:
+                    _count_skip(progress, record.skipped, f"{source}:{record.line}", strict)
+                    continue
+                parts = split_text(record.text, max_document_chars)
+                for index in range(first_piece if record.line == start else 0, len(parts)):
+                    pieces.append(parts[index])
+                    ends.append(index == len(parts) - 1)
+                    chars += len(parts[index])
+                    if len(pieces) == DOCS_PER_CHUNK or chars >= CHARS_PER_CHUNK:
+                        position = (
+                            (file_index, record.line + 1, 0) if ends[-1] else (file_index, record.line, index + 1)
+                        )
+                        yield pieces, ends, position
+                        pieces, ends, chars = [], [], 0
+        except CorruptFileError as error:
+            if not skip_corrupt_files:
+                raise PreprocessError(f"{error}. Replace the file, or pass --skip-corrupt-files to keep what was "
+                                      "read of it and go on without the rest") from None  # fmt: skip
+            _count_skip(progress, CORRUPT_FILE, str(error), strict=False)
+        if pieces:
+            yield pieces, ends, (file_index, last_line + 1, 0)
+            pieces, ends, chars = [], [], 0
+    yield [], [], (len(sources), 1, 0)  # marks the end, so the final position is recorded
+
+
+def _count_skip(progress: Progress, reason: str, where: str, strict: bool) -> None:
+    if strict:
+        raise PreprocessError(f"{where}: {reason.replace('_', ' ')} (--strict)")
+    progress.skipped[reason] += 1
+    examples = progress.skipped_examples[reason]
+    if len(examples) < EXAMPLES_PER_REASON:
+        examples.append(where)
+
+
+def load_fast_tokenizer(tokenizer_path: str):
+    try:
+        tokenizer = load_tokenizer(tokenizer_path, "--tokenizer")
+    except TokenizerLoadError as error:
+        raise PreprocessError(str(error)) from None
+    if not getattr(tokenizer, "is_fast", False) or tokenizer.eos_token_id is None:
+        raise PreprocessError(f"--tokenizer {tokenizer_path}: needs a fast tokenizer with an EOS token")
+    return tokenizer
 
 
 def preprocess(
@@ -289,19 +322,15 @@ def preprocess(
     strict: bool = False,
     rows_per_shard: int = 16384,
     log=print,
+    *,
+    max_document_chars: int = MAX_DOCUMENT_CHARS,
+    skip_corrupt_files: bool = False,
 ) -> dict:
     """Run (or continue) a preprocessing; returns the manifest."""
-    if seq_len < 1 or num_workers < 1 or rows_per_shard < 1:
-        raise PreprocessError("--seq-len, --num-workers and --rows-per-shard must be positive")
+    if min(seq_len, num_workers, rows_per_shard, max_document_chars) < 1:
+        raise PreprocessError("--seq-len, --num-workers, --rows-per-shard and --max-document-chars must be positive")
     sources = check_inputs(inputs, text_field)
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    except (OSError, ValueError) as error:
-        raise PreprocessError(f"--tokenizer {tokenizer_path}: cannot load it ({error})") from None
-    if not getattr(tokenizer, "is_fast", False) or tokenizer.eos_token_id is None:
-        raise PreprocessError(f"--tokenizer {tokenizer_path}: needs a fast tokenizer with an EOS token")
+    tokenizer = load_fast_tokenizer(tokenizer_path)
     identity = tokenizer_identity(tokenizer, tokenizer_path)
     settings = {
         "format_version": FORMAT_VERSION,
@@ -309,79 +338,65 @@ def preprocess(
         "text_field": text_field,
         "inputs": [str(Path(source).resolve()) for source in sources],
         "rows_per_shard": rows_per_shard,
+        "max_document_chars": max_document_chars,
         "tokenizer": identity,
     }
     out = Path(output)
+    try:
+        lock = DirectoryLock(out, "preprocessing").acquire()  # one writer: two runs would interleave shards
+    except LockedError as error:
+        raise PreprocessError(f"--output {error}") from None
+    try:
+        return _run(out, sources, settings, tokenizer, strict, num_workers, skip_corrupt_files, log)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        free_gb = shutil.disk_usage(out).free / 1e9
+        raise PreprocessError(
+            f"--output {out}: {error.strerror} while writing {error.filename or 'a shard'} ({free_gb:.1f} GB free). "
+            "Make room and run the same command again: it continues after the last complete shard"
+        ) from None
+    finally:
+        lock.release()
+
+
+def _run(out: Path, sources: list[str], settings: dict, tokenizer, strict: bool, num_workers: int,
+         skip_corrupt_files: bool, log) -> dict:  # fmt: skip
+    identity = settings["tokenizer"]
     resumed = load_progress(out, settings)
     if resumed is None:
         log(f"{out} is already complete (same settings); nothing to do")
         return json.loads((out / MANIFEST).read_text())
     progress, carry = resumed
     if progress.shards:
-        log(
-            f"resuming after shard {len(progress.shards) - 1}: {sources[min(progress.file_index, len(sources) - 1)]}"
-            f" line {progress.next_line}"
-        )
-    for stale in sorted((out / SHARD_DIR).glob("train-*")) if (out / SHARD_DIR).exists() else []:
-        if stale.name not in {Path(shard["path"]).name for shard in progress.shards}:
-            stale.unlink()  # written after the last saved progress: it will be written again, identically
-    dtype = token_dtype(identity["vocab_size"])
+        position = sources[min(progress.file_index, len(sources) - 1)]
+        log(f"resuming after shard {len(progress.shards) - 1}: {position} line {progress.next_line}")
+    remove_unrecorded_shards(out, progress)
+    packer = Packer(out, settings, progress, carry, token_dtype(identity["vocab_size"]), log)
+    serialized = tokenizer.backend_tokenizer.to_str()
+    chunks = iter_chunks(
+        sources, settings["text_field"], progress, strict, settings["max_document_chars"], skip_corrupt_files
+    )
+    packer.run(chunks, serialized, identity, num_workers)
+    manifest = build_manifest(settings, progress, packer, num_workers)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2))
+    shutil.rmtree(out / PROGRESS_DIR, ignore_errors=True)
+    return manifest
 
-    import multiprocessing
 
-    started = time.perf_counter()
-    session_tokens = 0
-    writer = ShardWriter(out, len(progress.shards), rows_per_shard, seq_len, dtype)
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(num_workers, _init_worker, (tokenizer.backend_tokenizer.to_str(), identity["eos_id"])) as pool:
-        in_flight: deque = deque()
-
-        def consume() -> None:
-            nonlocal carry, session_tokens, started
-            result, texts_count, position = in_flight.popleft()
-            ids, document_tokens = result.get()
-            progress.num_documents += texts_count
-            progress.num_document_tokens += document_tokens
-            session_tokens += document_tokens
-            stream = np.concatenate([carry, ids]) if len(carry) else ids
-            full = len(stream) - len(stream) % seq_len
-            carry = stream[full:]
-            progress.file_index, progress.next_line = position
-            completed = writer.add(stream[:full].reshape(-1, seq_len))
-            if texts_count == 0:  # the end: publish the last, partial shard
-                last = writer.close()
-                completed += [(last, stream[:0])] if last else []
-            for shard, _ in completed:
-                progress.shards.append(shard)
-                progress.num_sequences += shard["rows"]
-                log(
-                    f"shard {len(progress.shards) - 1}: {shard['rows']} rows, {progress.num_documents} documents so far"
-                )
-            if completed:
-                # A resumed run starts here: after this chunk, with the rows the open shard holds so far
-                # (written again from this copy) and the tokens of the next partial row.
-                progress.elapsed_s += time.perf_counter() - started
-                started = time.perf_counter()
-                save_progress(out, settings, progress, np.concatenate([completed[-1][1].ravel(), carry]))
-
-        for texts, position in iter_chunks(sources, text_field, progress, strict):
-            result = pool.apply_async(_tokenize_chunk, (texts,)) if texts else _Done()
-            in_flight.append((result, len(texts), position))
-            # A bounded window keeps memory flat: reading never runs more than two chunks per worker ahead.
-            while len(in_flight) > 2 * num_workers or (in_flight and not texts):
-                consume()
-        worker_peaks = pool.map(_worker_peak_rss_mb, range(num_workers), chunksize=1)
-    progress.elapsed_s += time.perf_counter() - started
-    manifest = {
+def build_manifest(settings: dict, progress: Progress, packer: Packer, num_workers: int) -> dict:
+    seq_len = settings["seq_len"]
+    return {
         "settings": settings,
         "num_documents": progress.num_documents,
         "num_tokens": progress.num_sequences * seq_len,
         "num_document_tokens": progress.num_document_tokens,
         "num_sequences": progress.num_sequences,
         "seq_len": seq_len,
-        "dtype": dtype.name,
-        "tokenizer": identity,
-        "dropped_tail_tokens": int(len(carry)),
+        "dtype": packer.writer.dtype.name,
+        "tokenizer": settings["tokenizer"],
+        "dropped_tail_tokens": int(len(packer.carry)),
         "skipped": progress.skipped,
         "skipped_examples": {reason: lines for reason, lines in progress.skipped_examples.items() if lines},
         "shards": progress.shards,
@@ -389,28 +404,83 @@ def preprocess(
             "document_tokens_per_s": progress.num_document_tokens / max(progress.elapsed_s, 1e-9),
             "elapsed_s": progress.elapsed_s,
             "num_workers": num_workers,
-            "resumed": session_tokens < progress.num_document_tokens,
+            "resumed": packer.session_tokens < progress.num_document_tokens,
             "peak_rss_mb_main": _peak_rss_mb(),
-            "peak_rss_mb_worker": max(worker_peaks),
+            "peak_rss_mb_worker": progress.peak_rss_mb_worker,
         },
     }
-    temporary = out / "manifest.tmp.json"
-    out.mkdir(parents=True, exist_ok=True)
-    temporary.write_text(json.dumps(manifest, indent=2))
-    os.replace(temporary, out / MANIFEST)
-    shutil.rmtree(out / PROGRESS_DIR, ignore_errors=True)
-    return manifest
+
+
+def remove_unrecorded_shards(out: Path, progress: Progress) -> None:
+    """Shards written after the last saved progress: the resumed run writes them again, identically."""
+    recorded = {Path(shard["path"]).name for shard in progress.shards}
+    for stale in sorted((out / SHARD_DIR).glob("train-*")) if (out / SHARD_DIR).exists() else []:
+        if stale.name not in recorded:
+            stale.unlink()
+
+
+class Packer:
+    """The main process's side of a run: hands chunks to the tokenizer processes, takes their results back in
+    order, packs rows, writes shards, and records progress after every shard."""
+
+    def __init__(self, out: Path, settings: dict, progress: Progress, carry: np.ndarray, dtype: np.dtype, log):
+        self.out, self.settings, self.progress, self.carry, self.log = out, settings, progress, carry, log
+        self.seq_len = settings["seq_len"]
+        self.writer = ShardWriter(out, len(progress.shards), settings["rows_per_shard"], self.seq_len, dtype)
+        self.session_tokens = 0
+        self._started = time.perf_counter()
+
+    def run(self, chunks, serialized_tokenizer: str, identity: dict, num_workers: int) -> None:
+        """Tokenize and pack every chunk."""
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(num_workers, _init_worker, (serialized_tokenizer, identity["eos_id"])) as pool:
+            in_flight: deque = deque()
+            for pieces, ends, position in chunks:
+                result = pool.apply_async(_tokenize_chunk, (pieces, ends)) if pieces else _Done()
+                in_flight.append((result, position))
+                # A bounded window keeps memory flat: reading never runs more than two chunks per worker ahead.
+                while len(in_flight) > 2 * num_workers or (in_flight and not pieces):
+                    self.consume(*in_flight.popleft())
+        self.progress.elapsed_s += time.perf_counter() - self._started
+
+    def consume(self, result, position: tuple[int, int, int]) -> None:
+        """One chunk's tokens, in corpus order: pack, write, and after a completed shard save the progress."""
+        progress = self.progress
+        ids, document_tokens, documents, worker_peak_mb = result.get()
+        progress.peak_rss_mb_worker = max(progress.peak_rss_mb_worker, worker_peak_mb)
+        progress.num_documents += documents
+        progress.num_document_tokens += document_tokens
+        self.session_tokens += document_tokens
+        stream = np.concatenate([self.carry, ids]) if len(self.carry) else ids
+        full = len(stream) - len(stream) % self.seq_len
+        self.carry = stream[full:]
+        progress.file_index, progress.next_line, progress.next_piece = position
+        completed = self.writer.add(stream[:full].reshape(-1, self.seq_len))
+        if isinstance(result, _Done):  # the end: publish the last, partial shard
+            last = self.writer.close()
+            completed += [(last, stream[:0])] if last else []
+        for shard, _ in completed:
+            progress.shards.append(shard)
+            progress.num_sequences += shard["rows"]
+            self.log(
+                f"shard {len(progress.shards) - 1}: {shard['rows']} rows, {progress.num_documents} documents so far"
+            )
+        if completed:
+            # A resumed run starts here: after this chunk, with the rows the open shard holds so far
+            # (written again from this copy) and the tokens of the next partial row.
+            now = time.perf_counter()
+            progress.elapsed_s += now - self._started
+            self._started = now
+            save_progress(self.out, self.settings, progress, np.concatenate([completed[-1][1].ravel(), self.carry]))
 
 
 class _Done:
     """The end-of-input marker's stand-in for a worker result."""
 
     def get(self):
-        return np.zeros(0, dtype=np.int32), 0
-
-
-def _worker_peak_rss_mb(_: int) -> float:
-    return _peak_rss_mb()
+        return np.zeros(0, dtype=np.int32), 0, 0, 0.0
 
 
 def report(manifest: dict) -> str:
@@ -437,19 +507,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
     parser.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping")
     parser.add_argument("--rows-per-shard", type=int, default=16384, help="rows per parquet shard (resume unit)")
+    parser.add_argument(
+        "--max-document-chars", type=int, default=MAX_DOCUMENT_CHARS,
+        help="longer documents are tokenized in pieces cut at whitespace, which bounds memory (~145 bytes of "
+        "tokenizer memory per character)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--skip-corrupt-files", action="store_true",
+        help="go on past a truncated or corrupt archive (what was read of it is kept; it is named in the manifest)",
+    )  # fmt: skip
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     args = parser.parse_args(argv)
     try:
         manifest = preprocess(
-            args.tokenizer,
-            args.input,
-            args.output,
-            args.seq_len,
-            args.num_workers,
-            args.text_field,
-            args.strict,
-            args.rows_per_shard,
-        )
+            args.tokenizer, args.input, args.output, args.seq_len, args.num_workers, args.text_field, args.strict,
+            args.rows_per_shard, max_document_chars=args.max_document_chars,
+            skip_corrupt_files=args.skip_corrupt_files,
+        )  # fmt: skip
     except PreprocessError as error:
+        if args.debug or os.environ.get("LOG_LEVEL", "").upper() == "DEBUG":
+            import traceback
+
+            traceback.print_exc()
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(report(manifest))

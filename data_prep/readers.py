@@ -4,6 +4,12 @@ Memory stays flat: jsonl and text are read line by line (gzip and zstd too), par
 at a time. Plain text treats each non-empty line as a document. A record that holds no usable text
 (malformed JSON, invalid UTF-8, a missing field, an empty text) is not a document: `iter_records`
 reports it with its reason and 1-based line (or parquet row) number, and `iter_texts` passes over it.
+A UTF-8 byte-order mark at the start of a file is dropped; CRLF line ends are fine.
+
+A damaged file is not a bad record: a gzip or zstd stream that ends early or fails its checks, or a parquet
+row group that cannot be decoded, raises `CorruptFileError` naming the file, the last good line and the
+compressed byte offset. (zstd's own stream reader returns a truncated frame as a clean end of file: half a
+corpus would vanish without a word, so frames are decoded one by one here and an unfinished one is an error.)
 """
 
 from __future__ import annotations
@@ -12,15 +18,23 @@ import glob
 import gzip
 import io
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
+
+import zstandard
 
 TEXT_SUFFIXES = (".txt", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 COMPRESSION_SUFFIXES = (".gz", ".zst", ".zstd")
 SKIP_REASONS = ("malformed_json", "invalid_utf8", "missing_field", "empty_text")
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+class CorruptFileError(ValueError):
+    """A truncated or corrupt archive or parquet file; the message names the file and where it broke."""
 
 
 class Record(NamedTuple):
@@ -53,20 +67,68 @@ def file_format(path: str | Path) -> str:
     )
 
 
+class _ZstdFrames(io.RawIOBase):
+    """Decompressed bytes of a zstd file, frame after frame, that raises CorruptFileError when the file ends
+    inside a frame. `compressed_offset` is how far into the file it has read."""
+
+    def __init__(self, path: Path):
+        self.path, self._file = path, open(path, "rb")  # noqa: SIM115 (closed in close())
+        self._context, self._frame = zstandard.ZstdDecompressor(), None
+        self._pending = bytearray()
+        self.compressed_offset = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                if self._frame is not None and not self._frame.eof:
+                    raise CorruptFileError("the zstd data ends inside a frame: the file is truncated")
+                return 0
+            self.compressed_offset += len(chunk)
+            while chunk:
+                if self._frame is None or self._frame.eof:
+                    self._frame = self._context.decompressobj()
+                self._pending += self._frame.decompress(chunk)
+                chunk = self._frame.unused_data if self._frame.eof else b""
+        count = min(len(buffer), len(self._pending))
+        buffer[:count] = self._pending[:count]
+        del self._pending[:count]
+        return count
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
 def open_binary(path: Path) -> io.BufferedIOBase:
     """The file's bytes, decompressed as a stream."""
     name = path.name.lower()
     if name.endswith(".gz"):
         return gzip.open(path, "rb")
     if name.endswith((".zst", ".zstd")):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+        return io.BufferedReader(_ZstdFrames(path))
     return open(path, "rb")
+
+
+def _compressed_offset(handle) -> int | None:
+    """How far into the compressed file a reader got (gzip and zstd), for error messages."""
+    raw = getattr(handle, "raw", None) if isinstance(handle, io.BufferedReader) else None
+    if isinstance(raw, _ZstdFrames):
+        return raw.compressed_offset
+    fileobj = getattr(handle, "fileobj", None)
+    try:
+        return fileobj.tell() if fileobj is not None else None
+    except (OSError, ValueError):
+        return None
 
 
 def _line_record(line_number: int, raw: bytes, kind: str, text_field: str) -> Record | None:
     """The record of one line; None for a blank line (a separator, not a record)."""
+    if line_number == 1 and raw.startswith(UTF8_BOM):
+        raw = raw[len(UTF8_BOM) :]
     if not raw.strip():
         return None
     try:
@@ -99,12 +161,23 @@ def iter_records(
         yield from _parquet_records(path, text_field, shard, num_shards, start_line)
         return
     with open_binary(path) as handle:
-        for index, raw in enumerate(handle):
-            if index % num_shards != shard or index + 1 < start_line:
-                continue
-            record = _line_record(index + 1, raw, kind, text_field)
-            if record is not None:
-                yield record
+        index = -1
+        try:
+            for index, raw in enumerate(handle):
+                if index % num_shards != shard or index + 1 < start_line:
+                    continue
+                record = _line_record(index + 1, raw, kind, text_field)
+                if record is not None:
+                    yield record
+        except (EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, CorruptFileError) as error:
+            raise _corrupt(path, handle, index + 1, error) from None
+
+
+def _corrupt(path: Path, handle, lines_read: int, error: Exception) -> CorruptFileError:
+    offset = _compressed_offset(handle)
+    where = f"after line {lines_read}" + (f", compressed byte {offset}" if offset is not None else "")
+    reason = str(error) if isinstance(error, CorruptFileError) else f"{type(error).__name__}: {error}"
+    return CorruptFileError(f"{path}: truncated or corrupt ({where}): {reason}")
 
 
 def _parquet_records(path: Path, text_field: str, shard: int, num_shards: int, start_line: int) -> Iterator[Record]:
@@ -118,7 +191,12 @@ def _parquet_records(path: Path, text_field: str, shard: int, num_shards: int, s
         if index + rows < start_line:  # the whole row group is before the start
             index += rows
             continue
-        texts = parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+        try:
+            texts = parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+        except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid and ArrowIOError derive from these
+            raise CorruptFileError(
+                f"{path}: row group {group} (rows {index + 1}-{index + rows}) cannot be read: {error}"
+            ) from None
         for offset in range((shard - index) % num_shards, len(texts), num_shards):
             line = index + offset + 1
             if line < start_line:

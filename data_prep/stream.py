@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from data_prep.packing import pack_documents
+from data_prep.packing import MAX_DOCUMENT_CHARS, pack_documents, split_text
 from data_prep.readers import iter_source_texts
 
 TOKENIZE_BATCH_DOCS = 256
@@ -34,15 +34,22 @@ def encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def tokenize_in_batches(texts: Iterator[str], tokenizer, batch_docs: int = TOKENIZE_BATCH_DOCS) -> Iterator[list[int]]:
-    """Token ids per document; batched calls let the fast tokenizer use its Rust threads."""
+    """Token ids per document; batched calls let the fast tokenizer use its Rust threads. A document longer than
+    MAX_DOCUMENT_CHARS is tokenized piece by piece (see `split_text`), so memory stays bounded."""
     batch: list[str] = []
     for text in texts:
+        if len(text) > MAX_DOCUMENT_CHARS:  # in order: first the documents before it
+            yield from encode_batch(tokenizer, batch) if batch else []
+            batch = []
+            pieces = split_text(text, MAX_DOCUMENT_CHARS)
+            yield [token for piece in pieces for token in encode_batch(tokenizer, [piece])[0]]
+            continue
         batch.append(text)
         if len(batch) == batch_docs:
             yield from encode_batch(tokenizer, batch)
             batch = []
     if batch:
-        yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
+        yield from encode_batch(tokenizer, batch)
 
 
 class PackedTextStream(IterableDataset):

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 MMLU_COLUMNS = ("question", "subject", "choices", "answer")
-LETTERS = "ABCD"
+LETTERS = ("A", "B", "C", "D")
+GSM8K_ANSWER = re.compile(r"####\s*-?[\d,]*\.?\d+\s*$")
 
 
 class BenchmarkDataError(ValueError):
@@ -46,41 +48,79 @@ def mmlu_layout(directory: str | Path) -> tuple[str, list[str]]:
 
 
 def _mmlu_csv_split(path: Path, subject: str) -> list[dict]:
+    """Rows of one release csv. Errors name file:line and what was wrong, never the row itself: benchmark questions
+    do not belong in logs."""
     if not path.is_file():
         raise BenchmarkDataError(f"MMLU {subject}: {path} is missing (the release layout has test/ and dev/ csv files)")
     rows = []
-    with open(path, newline="", encoding="utf-8") as handle:
-        for line, fields in enumerate(csv.reader(handle), start=1):
-            if len(fields) != 6 or fields[5].strip() not in LETTERS:
-                raise BenchmarkDataError(
-                    f"{path}:{line}: expected 6 columns (question, A, B, C, D, answer letter A-D), got {fields[:6]}"
-                )
-            rows.append(
-                {
-                    "question": fields[0],
-                    "subject": subject,
-                    "choices": fields[1:5],
-                    "answer": LETTERS.index(fields[5].strip()),
-                }
-            )
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            for line, fields in enumerate(csv.reader(handle), start=1):
+                if len(fields) != 6:
+                    raise BenchmarkDataError(
+                        f"{path}:{line}: {len(fields)} columns; expected 6 (question, A, B, C, D, answer letter)"
+                    )
+                answer = fields[5].strip()
+                if len(answer) != 1 or answer not in LETTERS:
+                    shown = "blank" if not answer else f"{len(answer)} characters" if len(answer) > 1 else "not A-D"
+                    raise BenchmarkDataError(f"{path}:{line}: the answer must be one letter A, B, C or D ({shown})")
+                rows.append({"question": fields[0], "subject": subject, "choices": fields[1:5],
+                             "answer": LETTERS.index(answer)})  # fmt: skip
+    except UnicodeDecodeError as error:
+        raise BenchmarkDataError(f"{path}: not UTF-8 (byte {error.start})") from None
+    except csv.Error as error:
+        raise BenchmarkDataError(f"{path}: not a valid csv file ({error})") from None
     if not rows:
-        raise BenchmarkDataError(f"{path} is empty")
+        raise BenchmarkDataError(f"{path} is empty: every subject needs test questions and few-shot (dev) examples")
     return rows
 
 
-def _parquet_split(files: list[Path], columns: tuple[str, ...], what: str) -> list[dict]:
+def _parquet_split(files: list[Path], columns: tuple[str, ...], what: str, check=None) -> list[dict]:
+    """Rows of a hub snapshot's parquet files; `check(row)` returns what is wrong with a row, if anything."""
     import pyarrow.parquet as pq
 
     if not files:
         raise BenchmarkDataError(f"{what}: no parquet file found")
     rows = []
     for path in files:
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as error:
+            raise BenchmarkDataError(f"{path}: not a readable parquet file ({type(error).__name__})") from None
         missing = [c for c in columns if c not in table.column_names]
         if missing:
             raise BenchmarkDataError(f"{path}: columns {missing} missing (has {table.column_names})")
-        rows.extend(table.select(list(columns)).to_pylist())
+        for index, row in enumerate(table.select(list(columns)).to_pylist()):
+            problem = check(row) if check else None
+            if problem:
+                raise BenchmarkDataError(f"{path}: row {index}: {problem}")
+            rows.append(row)
+    if not rows:
+        raise BenchmarkDataError(f"{what}: the parquet files hold no rows")
     return rows
+
+
+def _mmlu_row_problem(row: dict) -> str | None:
+    answer, choices = row["answer"], row["choices"]
+    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer <= 3:
+        return "answer must be an integer 0-3 (the index of the right choice)"
+    if not isinstance(choices, list) or len(choices) != 4 or not all(isinstance(c, str) for c in choices):
+        return "choices must be a list of 4 strings"
+    if not isinstance(row["question"], str) or not row["question"].strip():
+        return "question must be a non-empty string"
+    return None
+
+
+def _gsm8k_problem(record) -> str | None:
+    """What is wrong with one GSM8K record (a JSON object with a question and an answer ending in `#### N`)."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, found a JSON {type(record).__name__}"
+    if not isinstance(record.get("question"), str) or not record["question"].strip():
+        return "expected a non-empty 'question' string"
+    answer = record.get("answer")
+    if not isinstance(answer, str) or not GSM8K_ANSWER.search(answer):
+        return "expected an 'answer' string ending in '#### N' (N a number)"
+    return None
 
 
 def load_mmlu_subject(directory: str | Path, subject: str, **_) -> dict[str, list[dict]]:
@@ -91,8 +131,11 @@ def load_mmlu_subject(directory: str | Path, subject: str, **_) -> dict[str, lis
         return {split: _mmlu_csv_split(root / split / f"{subject}_{split}.csv", subject) for split in ("test", "dev")}
     return {
         split: _parquet_split(
-            sorted((root / subject).glob(f"{split}-*.parquet")), MMLU_COLUMNS, f"MMLU {subject} {split}"
-        )
+            sorted((root / subject).glob(f"{split}-*.parquet")),
+            MMLU_COLUMNS,
+            f"MMLU {subject} {split}",
+            _mmlu_row_problem,
+        )  # fmt: skip
         for split in ("test", "dev")
     }
 
@@ -115,7 +158,7 @@ def _gsm8k_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise BenchmarkDataError(f"GSM8K: {path} is missing (the release layout has test.jsonl and train.jsonl)")
     rows = []
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig", errors="strict") as handle:
         for line, text in enumerate(handle, start=1):
             if not text.strip():
                 continue
@@ -123,9 +166,12 @@ def _gsm8k_jsonl(path: Path) -> list[dict]:
                 record = json.loads(text)
             except json.JSONDecodeError:
                 raise BenchmarkDataError(f"{path}:{line}: not valid JSON") from None
-            if not isinstance(record.get("question"), str) or "####" not in str(record.get("answer", "")):
-                raise BenchmarkDataError(f"{path}:{line}: expected 'question' and an 'answer' ending in '#### N'")
+            problem = _gsm8k_problem(record)
+            if problem:
+                raise BenchmarkDataError(f"{path}:{line}: {problem}")
             rows.append({"question": record["question"], "answer": record["answer"]})
+    if not rows:
+        raise BenchmarkDataError(f"{path} holds no problems: GSM8K needs test problems and few-shot (train) examples")
     return rows
 
 
@@ -136,8 +182,11 @@ def load_gsm8k(directory: str | Path, **_) -> dict[str, list[dict]]:
         return {split: _gsm8k_jsonl(root / f"{split}.jsonl") for split in ("test", "train")}
     return {
         split: _parquet_split(
-            sorted((root / "main").glob(f"{split}-*.parquet")), ("question", "answer"), f"GSM8K {split}"
-        )
+            sorted((root / "main").glob(f"{split}-*.parquet")),
+            ("question", "answer"),
+            f"GSM8K {split}",
+            _gsm8k_problem,
+        )  # fmt: skip
         for split in ("test", "train")
     }
 

@@ -11,9 +11,13 @@ Writes lm-eval's results JSON (`results`, `n-samples`, `configs`, ...) and print
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+import traceback
+from pathlib import Path
 
+from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
 from eval.data import BenchmarkDataError
 from eval.harness import BenchmarkSettings, evaluate, format_table, write_results
 
@@ -30,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-gen-toks", type=int, help="GSM8K answer budget (lm-eval's default: 256)")
     parser.add_argument("--output", required=True, help="results JSON path")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     args = parser.parse_args(argv)
     settings = BenchmarkSettings(
         tasks=[task.strip() for task in args.tasks.split(",") if task.strip()],
@@ -42,12 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         settings.check()
-    except (BenchmarkDataError, ValueError) as error:
+        if not (Path(args.model) / "config.json").is_file():
+            raise ValueError(f"--model {args.model}: no config.json there; expected a saved model directory")
+        what = "--tokenizer" if args.tokenizer else "--model (no --tokenizer given, so its tokenizer)"
+        tokenizer = load_tokenizer(args.tokenizer or args.model, what)
+    except (BenchmarkDataError, TokenizerLoadError, ValueError) as error:
+        if args.debug or os.environ.get("LOG_LEVEL", "").upper() == "DEBUG":
+            traceback.print_exc()
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     started = time.perf_counter()
     results = evaluate(model, tokenizer, settings)

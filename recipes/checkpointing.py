@@ -13,21 +13,25 @@ between barriers.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
+
+from common.collectives import ranks_where
+from common.files import atomic_write_text, sha256_of
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 RANK_FILE_PATTERN = re.compile(r"(?:rank_|random_states_)(\d+)")
 MANIFEST = "manifest.json"
 LATEST = "latest"
 RESOLVED_CONFIG = "config.yaml"
+TRAINER_STATE = "trainer_state.json"  # run state and data position, written by the main process
 MIN_KEPT = 2
 UNIVERSAL_DIR = "universal"  # where `ds_to_universal` output goes inside a checkpoint, for world-size changes
 
@@ -54,14 +58,6 @@ def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def sha256_of(path: Path, chunk_bytes: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def owned_files(directory: Path, rank: int, world_size: int) -> list[Path]:
     """The files this rank hashes: those named for it (ZeRO shards, RNG states); rank 0 also takes the rest."""
     mine = []
@@ -74,19 +70,24 @@ def owned_files(directory: Path, rank: int, world_size: int) -> list[Path]:
 
 
 def manifest_problems(directory: Path) -> list[str]:
-    """Why `directory` is not a complete checkpoint (empty list: it is). Checks presence and sizes;
-    `verify_checksums` re-hashes the files for a full check."""
+    """Why `directory` is not a complete checkpoint (empty list: it is). Checks the manifest's shape, and every
+    file's presence and size; `verify_share` re-hashes the files for a full check."""
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         return [f"{directory} has no {MANIFEST}: the save that wrote it did not finish"]
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         return [f"{manifest_path} is not valid JSON ({error})"]
+    shape_ok = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and manifest["files"]
+    if not shape_ok or not isinstance(manifest.get("world_size"), int) or not isinstance(manifest.get("step"), int):
+        return [f"{manifest_path} is not a checkpoint manifest (it needs step, world_size and a non-empty files map)"]
     problems = []
     for name, entry in manifest["files"].items():
         path = directory / name
-        if not path.is_file():
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or "sha256" not in entry:
+            problems.append(f"{manifest_path}: the entry of {name} has no bytes and sha256")
+        elif not path.is_file():
             problems.append(f"{path} is listed in the manifest but missing")
         elif path.stat().st_size != entry["bytes"]:
             problems.append(f"{path} has {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
@@ -94,12 +95,31 @@ def manifest_problems(directory: Path) -> list[str]:
 
 
 def verify_checksums(directory: Path) -> list[str]:
-    manifest = json.loads((directory / MANIFEST).read_text())
-    return [
-        f"{directory / name}: sha256 differs from the manifest"
-        for name, entry in manifest["files"].items()
-        if sha256_of(directory / name) != entry["sha256"]
-    ]
+    """Every file's sha256 against the manifest, in this process."""
+    return verify_share(directory, 0, 1)
+
+
+def verify_share(directory: Path, rank: int, world_size: int) -> list[str]:
+    """Re-hash this rank's share of the manifest's files and name those that differ. Shares are balanced by
+    bytes, so N ranks verify a checkpoint in about 1/N of the time one would take."""
+    files = read_manifest(directory)["files"]
+    loads = [0] * world_size
+    problems = []
+    for name, entry in sorted(files.items(), key=lambda item: (-item[1]["bytes"], item[0])):
+        owner = loads.index(min(loads))  # the least loaded rank takes the next largest file
+        loads[owner] += entry["bytes"]
+        if owner == rank and sha256_of(directory / name) != entry["sha256"]:
+            problems.append(f"{directory / name}: sha256 differs from the manifest (the file was changed or damaged)")
+    return problems
+
+
+def resume_candidates(output_dir: str | Path, resume: str) -> list[Path]:
+    """Checkpoints to try, newest first: the one asked for, or every `checkpoint-N` of output_dir ("auto")."""
+    if resume == "none":
+        return []
+    if resume != "auto":
+        return [Path(resume)]
+    return list(reversed(checkpoint_dirs(output_dir)))
 
 
 def has_universal(directory: Path) -> bool:
@@ -111,25 +131,25 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return json.loads((Path(directory) / MANIFEST).read_text())
 
 
-def find_resume_checkpoint(output_dir: str | Path, resume: str) -> tuple[Path | None, list[str]]:
-    """The checkpoint to resume from and notes on what was passed over.
+def find_resume_checkpoint(
+    output_dir: str | Path, resume: str, verify: Callable[[Path], list[str]] = verify_checksums
+) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from, and notes on what was passed over.
 
-    `resume` is "auto" (newest complete checkpoint in output_dir, none is fine), "none", or a path
-    (which must be a complete checkpoint)."""
-    if resume == "none":
-        return None, []
-    if resume != "auto":
-        path = Path(resume)
-        problems = manifest_problems(path) if path.is_dir() else [f"{path} does not exist"]
-        if problems:
-            raise CheckpointError("cannot resume from the requested checkpoint: " + "; ".join(problems))
-        return path, []
+    `resume` is "auto" (the newest complete checkpoint of output_dir whose files match their checksums; none is
+    fine), "none", or a path (which must be complete and match, else CheckpointError). `verify` re-hashes a
+    candidate (the training launch passes one that splits the work over its ranks)."""
     notes = []
-    for path in reversed(checkpoint_dirs(output_dir)):
-        problems = manifest_problems(path)
+    for path in resume_candidates(output_dir, resume):
+        problems = manifest_problems(path) if path.is_dir() else [f"{path} does not exist"]
+        problems = problems or verify(path)
         if not problems:
             return path, notes
-        notes.append(f"skipped {path.name}: {problems[0]}")
+        if resume != "auto":
+            raise CheckpointError("cannot resume from the requested checkpoint: " + "; ".join(problems))
+        notes.append(
+            f"skipped {path.name}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if problems[1:] else "")
+        )
     return None, notes
 
 
@@ -146,23 +166,20 @@ def checkpoints_to_delete(
     return [p for p in complete if p.resolve() not in kept]
 
 
+def resolved_config_text(config_dict: dict[str, Any]) -> str:
+    return yaml.safe_dump(config_dict, sort_keys=False)
+
+
 def write_resolved_config(directory: Path, config_dict: dict[str, Any]) -> None:
-    (directory / RESOLVED_CONFIG).write_text(yaml.safe_dump(config_dict, sort_keys=False))
+    (directory / RESOLVED_CONFIG).write_text(resolved_config_text(config_dict))
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict[str, Any], config_dict) -> Path:
-    """Write and publish `checkpoint-{step}`; see the module docstring for the order of events."""
+def save_checkpoint(
+    accelerator, output_dir: str | Path, step: int, state: dict[str, Any], run_files: dict[str, str]
+) -> Path:
+    """Write and publish `checkpoint-{step}`; see the module docstring for the order of events. The main process
+    writes `state` to trainer_state.json and each of `run_files` (name -> text: the resolved recipe, ...)."""
     output_dir = Path(output_dir)
-    final = output_dir / f"checkpoint-{step}"
     staging = output_dir / f".checkpoint-{step}.tmp"
     if accelerator.is_main_process and staging.exists():
         shutil.rmtree(staging)
@@ -171,11 +188,12 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict[
     try:
         accelerator.save_state(str(staging))  # collective: each rank writes its own ZeRO-3 shards
         if accelerator.is_main_process:
-            write_resolved_config(staging, config_dict)
-            (staging / "trainer_state.json").write_text(json.dumps({"global_step": step, **state}, indent=2))
+            for name, text in run_files.items():
+                (staging / name).write_text(text)
+            (staging / TRAINER_STATE).write_text(json.dumps({"global_step": step, **state}, indent=2))
     except (OSError, RuntimeError) as error:  # ENOSPC, EFBIG, EIO; torch.save reports them as RuntimeError
         failure = f"{type(error).__name__}: {error}"
-    failed_ranks = _ranks_where(accelerator, bool(failure))
+    failed_ranks = ranks_where(bool(failure), accelerator.device)
     if failed_ranks:
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)  # give the space back; nothing was published
@@ -188,9 +206,14 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict[
             + f"; {free_gb:.1f} GB free in {output_dir}. Nothing was published or deleted: the previous "
             f"checkpoint ({previous}) is intact and a relaunch resumes from it"
         )  # fmt: skip
-    # Each rank hashes the shards it wrote, in parallel: at 70B each holds ~120 GB of the ~1 TB.
+    return _publish(accelerator, staging, output_dir / f"checkpoint-{step}", step)
+
+
+def _publish(accelerator, staging: Path, final: Path, step: int) -> Path:
+    """Hash, write the manifest last, rename, point `latest` at it (a collective; moves on the main process)."""
     from accelerate.utils import gather_object
 
+    # Each rank hashes the shards it wrote, in parallel: at 70B each holds ~120 GB of the ~1 TB.
     mine = {
         str(path.relative_to(staging)): {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
         for path in owned_files(staging, accelerator.process_index, accelerator.num_processes)
@@ -199,29 +222,14 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict[
     for part in gather_object([mine]):
         files.update(part)
     if accelerator.is_main_process:
-        manifest = {
-            "step": step,
-            "world_size": accelerator.num_processes,
-            "data_position": state.get("data_position"),
-            "files": dict(sorted(files.items())),
-        }
-        _atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=2))
+        manifest = {"step": step, "world_size": accelerator.num_processes, "files": dict(sorted(files.items()))}
+        atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=2))
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
-        _atomic_write_text(output_dir / LATEST, final.name + "\n")
+        atomic_write_text(final.parent / LATEST, final.name + "\n")
     accelerator.wait_for_everyone()
     return final
-
-
-def _ranks_where(accelerator, condition: bool) -> list[int]:
-    """The ranks on which `condition` holds (a collective)."""
-    import torch
-
-    flags = torch.zeros(accelerator.num_processes, device=accelerator.device)
-    flags[accelerator.process_index] = float(condition)
-    flags = accelerator.reduce(flags, reduction="sum")
-    return [rank for rank in range(accelerator.num_processes) if flags[rank] > 0]
 
 
 def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: int | None, best: Path | None):
@@ -243,16 +251,54 @@ def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: in
     return doomed
 
 
-def export_final(accelerator, model, tokenizer, output_dir: str | Path, config_dict) -> Path:
-    """Consolidated 16-bit HF weights (safetensors), tokenizer and recipe in `output_dir/final`."""
-    final = Path(output_dir) / "final"
-    state_dict = accelerator.get_state_dict(model)  # collective: gathers every ZeRO-3 partition
-    if accelerator.is_main_process:
-        final.mkdir(parents=True, exist_ok=True)
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.config.use_cache = True
-        unwrapped.save_pretrained(final, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(final)
-        write_resolved_config(final, config_dict)
-    accelerator.wait_for_everyone()
-    return final
+def read_trainer_state(directory: Path) -> dict[str, Any]:
+    return json.loads((Path(directory) / TRAINER_STATE).read_text())
+
+
+class Stateful(Protocol):
+    """A part of the run that saves itself into trainer_state.json. `state_dict` is called on every rank
+    (it may gather); the main process's answer is written. `load_state_dict` gets that answer on every rank."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    """Saves and loads the checkpoints of one run: the accelerator's state (each rank's ZeRO-3 model and
+    optimizer shards, RNG states) and the stateful parts it was given by name (the run state, the data
+    position), without knowing what is inside them. Every method is a collective: call it on every rank."""
+
+    def __init__(self, accelerator, engine, output_dir: str | Path, save_total_limit: int | None,
+                 run_files: dict[str, str], stateful: dict[str, Stateful], last: Path | None = None):  # fmt: skip
+        self.accelerator, self.engine = accelerator, engine
+        self.output_dir, self.save_total_limit, self.run_files = Path(output_dir), save_total_limit, run_files
+        self.stateful = stateful
+        self.last = last  # the newest checkpoint this run published or resumed from
+
+    def save(self, step: int, protected: str | None = None) -> Path:
+        """Publish `checkpoint-{step}` and rotate, keeping `protected` (the best); nothing if it is the newest."""
+        if self.last is not None and step_of(self.last) == step:
+            return self.last
+        state = {name: part.state_dict() for name, part in self.stateful.items()}
+        path = save_checkpoint(self.accelerator, self.output_dir, step, state, self.run_files)
+        best = self.output_dir / protected if protected else None
+        rotate_checkpoints(self.accelerator, self.output_dir, self.save_total_limit, best)
+        self.last = path
+        return path
+
+    def load(self, path: Path, skip: tuple[str, ...] = ()) -> bool:
+        """Model, optimizer, RNG states and every stateful part not in `skip`, as saved in `path`; returns
+        whether it was saved by this many processes. If not, it loads the universal checkpoint (DeepSpeed then
+        needs `checkpoint.load_universal`, set before the engine is built; per-rank RNG states do not carry over)."""
+        same_world = read_manifest(path)["world_size"] == self.accelerator.num_processes
+        if same_world:
+            self.accelerator.load_state(str(path))  # every rank loads its own shards and RNG states
+        else:
+            self.engine.load_checkpoint(str(path / UNIVERSAL_DIR), tag="pytorch_model")
+        saved = read_trainer_state(path)
+        for name, part in self.stateful.items():
+            if name not in skip:
+                part.load_state_dict(saved[name])
+        self.last = path
+        return same_world

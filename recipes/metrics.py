@@ -15,6 +15,8 @@ from typing import Any
 import psutil
 import torch
 
+from common.files import atomic_write_text
+
 
 def tokens_per_second(tokens_all_ranks: int, seconds: float) -> float:
     """Real tokens consumed by all ranks together over a wall-clock duration."""
@@ -82,6 +84,11 @@ class MetricsWriter:
                     task, metric = key.split("/")
                     self.prometheus.update({"benchmark_score": value}, labels={"task": task, "metric": metric})
 
+    def truncate(self, after_step: int) -> None:
+        """Drop the records past `after_step` (a resumed or rolled-back run logs those steps again)."""
+        if self.enabled:
+            truncate_metrics(self.path, after_step)
+
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
@@ -89,11 +96,31 @@ class MetricsWriter:
             self.prometheus.close()
 
 
+def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) for each line that parses. A line that does not (the torn last line of a run killed
+    mid-write, typically) is dropped with a warning instead of making every later resume fail."""
+    import logging
+
+    kept = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            logging.getLogger("pretrain").warning(
+                "%s:%d is not a metrics record (torn by a kill?); dropped", path, number
+            )
+            continue
+        kept.append((line, record))
+    return kept
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in _records(path)] if path.exists() else []
 
 
 def truncate_metrics(path: str | Path, after_step: int) -> None:
@@ -101,10 +128,8 @@ def truncate_metrics(path: str | Path, after_step: int) -> None:
     path = Path(path)
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= after_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    kept = [line for line, record in _records(path) if record["step"] <= after_step]
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def plot_losses(metrics_path: str | Path, output_png: str | Path) -> None:
@@ -185,3 +210,17 @@ def run_report(output_dir: str | Path) -> str:
             f"{timed[-1]['benchmark_seconds_per_document']:.2f} s per document (all ranks run every document)"
         )
     return "\n".join(lines) + "\n"
+
+
+def write_run_outputs(output_dir: str | Path, final_dir: Path, summary: dict[str, Any]) -> None:
+    """loss.png, run_summary.json and report.md at the end of a run, and where they are (main process)."""
+    import logging
+
+    logger = logging.getLogger("pretrain")
+    output_dir = Path(output_dir)
+    plot_losses(output_dir / "metrics.jsonl", output_dir / "loss.png")
+    (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+    (output_dir / "report.md").write_text(run_report(output_dir))
+    logger.info("model: %s", final_dir)
+    logger.info("metrics: %s (TensorBoard: %s)", output_dir / "metrics.jsonl", output_dir / "tensorboard")
+    logger.info("loss plot: %s", output_dir / "loss.png")

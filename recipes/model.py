@@ -153,8 +153,30 @@ def local_parameter_elements(model: torch.nn.Module) -> int:
     return sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters())
 
 
-def training_flops_per_token(num_params: int, num_layers: int, seq_len: int, hidden_size: int) -> float:
-    """6N for the matmuls forward and backward plus 12·L·s·h for attention scores (PaLM appendix B).
+def build_engine(config: PretrainConfig, model_config, attn_implementation: str, ds_config: dict, accelerator,
+                 load_universal: bool):  # fmt: skip
+    """The model (partitioned as it is created), its checkpointing and optimizer, prepared into the DeepSpeed
+    engine; returns (engine, optimizer, number of parameters). A collective on every rank."""
+    import logging
 
-    Recomputation is not counted: MFU measures useful work, not work done twice."""
-    return 6.0 * num_params + 12.0 * num_layers * seq_len * hidden_size
+    from recipes.deepspeed_config import offloads_optimizer
+
+    logger = logging.getLogger("pretrain")
+    dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
+    model = build_model(config, model_config, attn_implementation, dtype)
+    num_params = count_parameters(model)
+    logger.info(
+        "model: %.4g parameters; this rank holds %d elements after partitioned init",
+        num_params,
+        local_parameter_elements(model),
+    )
+    if config.gradient_checkpointing:
+        chunks = enable_chunked_checkpointing(model, config.gradient_checkpointing_layers_per_checkpoint)
+        per_chunk = config.gradient_checkpointing_layers_per_checkpoint
+        logger.info("gradient checkpointing: %d checkpoints of %d layer(s)", chunks, per_chunk)
+    optimizer = build_optimizer(model, config, offloads_optimizer(ds_config))
+    if load_universal:
+        # read by DeepSpeed when the engine is built: load_checkpoint then takes the universal format
+        accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    return engine, optimizer, num_params

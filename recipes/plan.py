@@ -43,6 +43,9 @@ ALLOCATOR_MARGIN = 0.05  # fragmentation of the caching allocator, on top of eve
 HOST_OVERHEAD_PER_RANK_GB = 4.0  # Python, torch, CUDA host allocations of one training process
 HOST_PER_DATALOADER_WORKER_GB = 0.5  # a worker process with its tokenizer and prefetched rows
 DEEPSPEED_HOST_BUFFER_FACTOR = 1.5  # DeepSpeed's own estimator multiplies host needs by this
+# sha256 of checkpoint files at resume, per rank (hashlib with SHA-NI, files in page cache; measured 0.80-0.84 GB/s
+# on the 2-core development machine). Storage that reads slower per rank bounds it instead.
+SHA256_GB_PER_S = 0.8
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Plan:
     gpu_hours: float | None
     checkpoint_gb: float
     checkpoint_disk_gb: float
+    checkpoint_verify_s: float
     fits: bool
     verdicts: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -178,6 +182,75 @@ def live_hardware(config: PretrainConfig, world_size: int) -> Hardware:
     )
 
 
+def training_flops_per_token(num_params: int, num_layers: int, seq_len: int, hidden_size: int) -> float:
+    """6N for the matmuls forward and backward plus 12·L·s·h for attention scores (PaLM appendix B).
+
+    Recomputation is not counted: MFU measures useful work, not work done twice."""
+    return 6.0 * num_params + 12.0 * num_layers * seq_len * hidden_size
+
+
+def gpu_memory_terms(config: PretrainConfig, shape: dict[str, Any], params: int, largest: int, world: int,
+                     ds_config: dict[str, Any]) -> tuple[dict[str, float], float]:  # fmt: skip
+    """Per-GPU memory by term in GB, and DeepSpeed's model states (the first four terms; tests compare them)."""
+    zero = ds_config.get("zero_optimization", {})
+    offload_optimizer, offload_param = offloads(ds_config, "optimizer"), offloads(ds_config, "param")
+    layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
+    micro, seq = config.per_device_train_batch_size, config.max_seq_length
+    memory: dict[str, float] = {}
+    memory["bf16_parameter_shard"] = 0.0 if offload_param else 2 * params / world / GB
+    memory["optimizer_states"] = 0.0 if offload_optimizer else 12 * params / world / GB
+    memory["fp32_gradient_partition"] = 0.0 if offload_optimizer else 4 * params / world / GB
+    memory["largest_layer_gathered"] = 4 * largest / GB
+    model_states_gpu = sum(memory.values())
+    # The bf16 gradient shard is counted on the GPU as the SPEC does (conservative under offload,
+    # where DeepSpeed moves reduced partitions to host memory as they complete).
+    memory["bf16_gradient_shard"] = 2 * params / world / GB
+    buckets = (
+        float(zero.get("allgather_bucket_size", 5e8))
+        + float(zero.get("reduce_bucket_size", 5e8))
+        + float(zero.get("stage3_prefetch_bucket_size", 5e7))
+    )
+    memory["gather_and_reduce_buckets"] = 2 * buckets / GB
+    memory["live_parameters"] = 2 * min(float(zero.get("stage3_max_live_parameters", 1e9)), params) / GB
+    per_layer_activations = ACTIVATION_BYTES_PER_SBH * seq * micro * hidden
+    if config.gradient_checkpointing:
+        per_checkpoint = config.gradient_checkpointing_layers_per_checkpoint
+        stored = math.ceil(layers / per_checkpoint) * 2 * seq * micro * hidden
+        memory["activations"] = (stored + per_checkpoint * per_layer_activations) / GB
+    else:
+        memory["activations"] = layers * per_layer_activations / GB
+    memory["logits"] = LOGIT_BYTES_PER_ELEMENT * micro * seq * shape["vocab_size"] / GB
+    memory["cuda_context"] = CUDA_CONTEXT_GB
+    memory["allocator_margin"] = ALLOCATOR_MARGIN * sum(memory.values())
+    memory = {k: round(v, 3) for k, v in memory.items()}
+    memory["total"] = round(sum(memory.values()), 3)
+    return memory, model_states_gpu
+
+
+def host_memory_terms(config: PretrainConfig, params: int, hardware: Hardware, ds_config: dict[str, Any]):
+    """Host memory per node by term in GB: fp32 master weights, Adam moments and fp32 gradients when offloaded."""
+    nodes, per_node = hardware.nodes, hardware.gpus_per_node
+    host: dict[str, float] = {}
+    host["offloaded_optimizer"] = (16 * params / nodes / GB) if offloads(ds_config, "optimizer") else 0.0
+    host["offloaded_parameters"] = (2 * params / nodes / GB) if offloads(ds_config, "param") else 0.0
+    host["training_processes"] = HOST_OVERHEAD_PER_RANK_GB * per_node
+    host["dataloader_workers"] = HOST_PER_DATALOADER_WORKER_GB * config.dataloader_num_workers * per_node
+    return {k: round(v, 3) for k, v in host.items()}
+
+
+def time_terms(config: PretrainConfig, hardware: Hardware, flops_per_token: float) -> tuple:
+    """(ceiling tokens/s, expected tokens/s, step seconds, days, GPU-hours); all None without a peak. MFU counts
+    useful FLOPs only: recomputation is extra hardware work (one more forward)."""
+    if not hardware.peak_tflops:
+        return None, None, None, None, None
+    world, rows = hardware.gpus, config.resolved_global_batch_size(hardware.gpus)
+    tokens = config.total_steps(world) * rows * config.max_seq_length
+    peak = world * hardware.peak_tflops * 1e12 / flops_per_token
+    expected = peak * hardware.mfu
+    days = tokens / expected / 86_400
+    return peak, expected, rows * config.max_seq_length / expected, days, days * 24 * world
+
+
 def make_plan(
     config: PretrainConfig,
     hardware: Hardware,
@@ -195,81 +268,28 @@ def make_plan(
     elif "vocab_size" not in shape:
         shape["vocab_size"] = resolve_vocab_size(config, warnings)
     params, largest = llama_parameter_count(**shape)
-    layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
-    world, nodes = hardware.gpus, hardware.nodes
-    micro, seq = config.per_device_train_batch_size, config.max_seq_length
-    zero = ds_config.get("zero_optimization", {})
-    offload_optimizer, offload_param = offloads(ds_config, "optimizer"), offloads(ds_config, "param")
-
-    # Per-GPU memory. The first four terms are DeepSpeed's model states (tests compare them).
-    memory: dict[str, float] = {}
-    memory["bf16_parameter_shard"] = 0.0 if offload_param else 2 * params / world / GB
-    memory["optimizer_states"] = 0.0 if offload_optimizer else 12 * params / world / GB
-    memory["fp32_gradient_partition"] = 0.0 if offload_optimizer else 4 * params / world / GB
-    memory["largest_layer_gathered"] = 4 * largest / GB
-    model_states_gpu = sum(memory.values())
-    # The bf16 gradient shard is counted on the GPU as the SPEC does (conservative under offload,
-    # where DeepSpeed moves reduced partitions to host memory as they complete).
-    memory["bf16_gradient_shard"] = 2 * params / world / GB
-    memory["gather_and_reduce_buckets"] = (
-        2
-        * (
-            float(zero.get("allgather_bucket_size", 5e8))
-            + float(zero.get("reduce_bucket_size", 5e8))
-            + float(zero.get("stage3_prefetch_bucket_size", 5e7))
-        )
-        / GB
-    )
-    memory["live_parameters"] = 2 * min(float(zero.get("stage3_max_live_parameters", 1e9)), params) / GB
-    per_layer_activations = ACTIVATION_BYTES_PER_SBH * seq * micro * hidden
-    if config.gradient_checkpointing:
-        per_checkpoint = config.gradient_checkpointing_layers_per_checkpoint
-        stored = math.ceil(layers / per_checkpoint) * 2 * seq * micro * hidden
-        memory["activations"] = (stored + per_checkpoint * per_layer_activations) / GB
-    else:
-        memory["activations"] = layers * per_layer_activations / GB
-    memory["logits"] = LOGIT_BYTES_PER_ELEMENT * micro * seq * shape["vocab_size"] / GB
-    memory["cuda_context"] = CUDA_CONTEXT_GB
-    memory["allocator_margin"] = ALLOCATOR_MARGIN * sum(memory.values())
-    memory = {k: round(v, 3) for k, v in memory.items()}
-    memory["total"] = round(sum(memory.values()), 3)
-
-    # Host memory per node: fp32 master weights, Adam moments and fp32 gradients when offloaded.
-    host: dict[str, float] = {}
-    host["offloaded_optimizer"] = (16 * params / nodes / GB) if offload_optimizer else 0.0
-    host["offloaded_parameters"] = (2 * params / nodes / GB) if offload_param else 0.0
-    host["training_processes"] = HOST_OVERHEAD_PER_RANK_GB * hardware.gpus_per_node
-    host["dataloader_workers"] = HOST_PER_DATALOADER_WORKER_GB * config.dataloader_num_workers * hardware.gpus_per_node
-    host = {k: round(v, 3) for k, v in host.items()}
-    host_total = round(sum(host.values()), 3)
+    world, seq = hardware.gpus, config.max_seq_length
+    memory, model_states_gpu = gpu_memory_terms(config, shape, params, largest, world, ds_config)
+    host = host_memory_terms(config, params, hardware, ds_config)
     deepspeed_host = (host["offloaded_optimizer"] + host["offloaded_parameters"]) * DEEPSPEED_HOST_BUFFER_FACTOR
 
-    # Time. MFU counts useful FLOPs only; recomputation is extra hardware work (one more forward).
-    flops = 6.0 * params + 12.0 * layers * seq * hidden
-    hardware_flops = flops * (4 / 3 if config.gradient_checkpointing else 1.0)
+    flops = training_flops_per_token(params, shape["num_hidden_layers"], seq, shape["hidden_size"])
     total_steps = config.total_steps(world)
-    tokens = total_steps * config.resolved_global_batch_size(world) * seq
-    peak = expected = step_time = days = gpu_hours = None
-    if hardware.peak_tflops:
-        peak = world * hardware.peak_tflops * 1e12 / flops
-        expected = peak * hardware.mfu
-        step_time = config.resolved_global_batch_size(world) * seq / expected
-        days = tokens / expected / 86_400
-        gpu_hours = days * 24 * world
+    peak, expected, step_time, days, gpu_hours = time_terms(config, hardware, flops)
 
     checkpoint_gb = (2 * params + 12 * params) / GB  # bf16 weights + fp32 master and Adam moments
     keep = (config.save_total_limit or 1) + 1  # the new checkpoint is complete before the oldest goes
     plan = Plan(
         params=params,
         largest_layer_params=largest,
-        num_layers=layers,
+        num_layers=shape["num_hidden_layers"],
         total_steps=total_steps,
         warmup_fraction=warmup_fraction(config, world),
         flops_per_token=flops,
-        hardware_flops_per_token=hardware_flops,
+        hardware_flops_per_token=flops * (4 / 3 if config.gradient_checkpointing else 1.0),
         per_gpu_memory_gb=memory,
         model_states_gpu_gb=round(model_states_gpu, 3),
-        host_memory_per_node_gb=host_total,
+        host_memory_per_node_gb=round(sum(host.values()), 3),
         host_memory_terms_gb=host,
         deepspeed_host_estimate_gb=round(deepspeed_host, 3),
         peak_tokens_per_s=peak,
@@ -279,6 +299,7 @@ def make_plan(
         gpu_hours=gpu_hours,
         checkpoint_gb=round(checkpoint_gb, 1),
         checkpoint_disk_gb=round(checkpoint_gb * keep, 1),
+        checkpoint_verify_s=round(checkpoint_gb / (world * SHA256_GB_PER_S), 1),
         fits=True,
         warnings=warnings,
         hardware=asdict(hardware),
@@ -361,7 +382,8 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
     lines += [f"    {name:28s} {value:8.1f}" for name, value in plan.host_memory_terms_gb.items()]
     lines.append(
         f"  checkpoint: {plan.checkpoint_gb:,.0f} GB each; {plan.checkpoint_disk_gb:,.0f} GB of disk for "
-        f"save_total_limit={config.save_total_limit} plus the one being written"
+        f"save_total_limit={config.save_total_limit} plus the one being written; verified at resume in "
+        f"~{plan.checkpoint_verify_s:,.0f} s (sha256, every rank its share at {SHA256_GB_PER_S} GB/s)"
     )
     lines += [f"  verdict: {v}" for v in plan.verdicts]
     lines += [f"  warning: {w}" for w in plan.warnings]

@@ -4,14 +4,15 @@ import json
 
 import pytest
 
+from common.files import sha256_of
 from recipes.checkpointing import (
     CheckpointError,
     checkpoints_to_delete,
     find_resume_checkpoint,
     manifest_problems,
     owned_files,
-    sha256_of,
     verify_checksums,
+    verify_share,
 )
 
 
@@ -55,6 +56,42 @@ def test_checksums_detect_corruption_of_the_same_size(tmp_path):
     assert verify_checksums(directory) == []
     next((directory / "pytorch_model").iterdir()).write_bytes(b"WEIGHTS")
     assert manifest_problems(directory) == [] and len(verify_checksums(directory)) == 1
+
+
+def test_resume_skips_a_corrupted_checkpoint_for_the_previous_one_and_refuses_it_by_name(tmp_path):
+    make_checkpoint(tmp_path, 100)
+    newest = make_checkpoint(tmp_path, 200)
+    shard = next((newest / "pytorch_model").iterdir())
+    shard.write_bytes(b"WEIGHTz")  # same size: only the checksum can tell
+    path, notes = find_resume_checkpoint(tmp_path, "auto")
+    assert path.name == "checkpoint-100"
+    assert "skipped checkpoint-200" in notes[0] and shard.name in notes[0] and "sha256" in notes[0]
+    with pytest.raises(CheckpointError, match=shard.name):
+        find_resume_checkpoint(tmp_path, str(newest))
+
+
+def test_each_rank_verifies_a_share_and_the_shares_cover_every_file_once(tmp_path):
+    directory = make_checkpoint(tmp_path, 100)
+    for index, size in enumerate([5, 50, 500, 7]):
+        extra = directory / f"extra_{index}.bin"
+        extra.write_bytes(b"x" * size)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    for extra in directory.glob("extra_*.bin"):
+        manifest["files"][extra.name] = {"bytes": extra.stat().st_size, "sha256": sha256_of(extra)}
+        extra.write_bytes(b"y" * extra.stat().st_size)  # every extra file is now damaged
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    shares = [verify_share(directory, rank, 3) for rank in range(3)]
+    found = sorted(problem.split(":")[0].rsplit("/", 1)[-1] for share in shares for problem in share)
+    assert found == ["extra_0.bin", "extra_1.bin", "extra_2.bin", "extra_3.bin"]
+    assert all(shares), "the work is spread: every rank hashes something"
+
+
+@pytest.mark.parametrize("manifest", ["{}", "[]", '{"step": 1, "world_size": 1, "files": {}}', '"text"'])
+def test_a_manifest_of_the_wrong_shape_is_not_a_complete_checkpoint(tmp_path, manifest):
+    directory = make_checkpoint(tmp_path, 100)
+    (directory / "manifest.json").write_text(manifest)
+    assert "is not a checkpoint manifest" in manifest_problems(directory)[0]
+    assert find_resume_checkpoint(tmp_path, "auto")[0] is None
 
 
 def test_rotation_keeps_two_and_protects_the_best(tmp_path):

@@ -118,6 +118,21 @@ def test_yaml_exponent_floats_without_dot_are_numbers():
         (minimal(attn_implementation="flash"), ["attn_implementation"]),
         (minimal(model_name_or_path="ckpt/final"), ["model_name_or_path", "model_config"]),
         ({k: v for k, v in minimal().items() if k != "train_files"}, ["train_files"]),
+        # values that used to train to the end (exit 0) or fail only once the model was built
+        (minimal(adam_beta1=5), ["adam_beta1", "[0, 1)"]),
+        (minimal(adam_beta2=1.0), ["adam_beta2"]),
+        (minimal(max_grad_norm=-1), ["max_grad_norm", "positive finite"]),
+        (minimal(learning_rate="inf"), ["learning_rate", "positive finite"]),
+        (minimal(learning_rate="nan"), ["learning_rate"]),
+        (minimal(model_config={"hidden_size": -64}), ["model_config.hidden_size", "positive int"]),
+        (minimal(model_config={"hidden_size": 64.5}), ["model_config.hidden_size", "expected int"]),
+        (minimal(model_config={"num_hidden_layers": "two"}), ["model_config.num_hidden_layers"]),
+        (minimal(model_config={"hidden_size": 64, "num_attention_heads": 3}), ["hidden_size", "num_attention_heads"]),
+        (minimal(model_config={"num_attention_heads": 4, "num_key_value_heads": 3}), ["num_key_value_heads"]),
+        (minimal(prometheus_port=70000), ["prometheus_port", "1-65535"]),
+        (minimal(prometheus_port=0), ["prometheus_port"]),
+        (minimal(hang_timeout_s=0), ["hang_timeout_s"]),
+        (minimal(lr_scheduler_kwargs={"min_lr": "abc"}), ["lr_scheduler_kwargs.min_lr", "expected float"]),
     ],
 )
 def test_bad_values_name_the_fields(raw, names):
@@ -155,3 +170,49 @@ def test_model_rules_name_the_fields():
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_model_config_values_are_coerced_to_their_types():
+    config = config_from_dict(minimal(model_config={"hidden_size": "64", "rms_norm_eps": "1e-5"}))
+    assert config.model_config["hidden_size"] == 64 and config.model_config["rms_norm_eps"] == 1e-5
+
+
+def test_help_lists_every_key_with_type_default_and_help_quickly():
+    import dataclasses
+    import subprocess
+    import sys
+    import time
+
+    from recipes.config import PretrainConfig
+
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "recipes/pretrain.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    seconds = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    for f in dataclasses.fields(PretrainConfig):
+        assert f"--{f.name} " in result.stdout, f.name
+        assert f.metadata["help"].split()[0] in result.stdout
+    assert "Peak AdamW learning rate, reached at the end of warmup.\n" in result.stdout.replace("  ", "")
+    assert "(type: float, default: 0.0001)" in result.stdout
+    assert "(type: list[str], default: required)" in result.stdout  # train_files
+    # `--help` must not import torch (~2 s of imports): checked by what it imports, not by a timed assertion
+    print(f"--help answered in {seconds:.2f} s")
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, runpy; sys.argv=['p','--help']\n"
+         "try: runpy.run_path('recipes/pretrain.py', run_name='__main__')\n"
+         "except SystemExit: pass\n"
+         "print('torch' in sys.modules)"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert probe.stdout.strip().endswith("False"), probe.stdout[-300:]
+
+
+def test_malformed_yaml_in_the_file_or_an_override_names_the_line_or_the_override(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("output_dir: out\nlr_scheduler_kwargs: {min_lr: 0\nseed: 1\n")
+    with pytest.raises(ConfigError, match=r"recipe.yaml:\d: not valid YAML \("):
+        load_config(recipe)
+    with pytest.raises(ConfigError, match=r"--lr_scheduler_kwargs '\{min_lr: 0': not a valid YAML value \("):
+        load_config(REPO / "recipes/configs/tiny_cpu.yaml", ["--lr_scheduler_kwargs", "{min_lr: 0"])

@@ -49,6 +49,60 @@ def test_both_layouts_load_the_same_documents(data):
     assert check_gsm8k(data["gsm8k_jsonl"]) == 8
 
 
+SECRET = "What is the airspeed velocity of an unladen swallow"
+
+
+@pytest.mark.parametrize(("answer", "why"), [("", "blank"), ("CD", "2 characters"), ("E", "not A-D"), ("a", "not A-D")])
+def test_an_mmlu_answer_must_be_exactly_one_letter(tmp_path, answer, why):
+    """`fields[5].strip() not in "ABCD"` was a substring test: a blank answer loaded as A and CD as C."""
+    for split in ("test", "dev"):
+        (tmp_path / split).mkdir()
+        (tmp_path / split / f"anatomy_{split}.csv").write_text(f'"{SECRET}",a,b,c,d,B\n"{SECRET}",a,b,c,d,{answer}\n')
+    with pytest.raises(BenchmarkDataError) as error:
+        check_mmlu(tmp_path)
+    assert "anatomy_test.csv:2: the answer must be one letter" in str(error.value) and why in str(error.value)
+    assert SECRET not in str(error.value), "benchmark questions stay out of logs"
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ('["a", "list"]', "expected a JSON object, found a JSON list"),
+        ('{"question": "q"}', "ending in '#### N'"),
+        ('{"question": "q", "answer": "#### many"}', "ending in '#### N'"),
+        ('{"answer": "x #### 4"}', "'question'"),
+    ],
+)
+def test_every_gsm8k_line_is_an_object_with_a_question_and_a_numeric_answer(tmp_path, line, expected):
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": SECRET, "answer": "so #### 4"}) + "\n")
+    (tmp_path / "test.jsonl").write_text(json.dumps({"question": SECRET, "answer": "so #### 4"}) + "\n" + line + "\n")
+    with pytest.raises(BenchmarkDataError, match=r"test.jsonl:2: ") as error:
+        check_gsm8k(tmp_path)
+    assert expected in str(error.value) and SECRET not in str(error.value)
+
+
+def test_an_empty_gsm8k_test_file_or_empty_few_shot_split_is_named(tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "q", "answer": "so #### 4"}) + "\n")
+    (tmp_path / "test.jsonl").write_text("")
+    with pytest.raises(BenchmarkDataError, match=r"test.jsonl holds no problems"):
+        check_gsm8k(tmp_path)
+    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "so #### 4"}) + "\n")
+    (tmp_path / "train.jsonl").write_text("\n")
+    with pytest.raises(BenchmarkDataError, match=r"train.jsonl holds no problems"):
+        check_gsm8k(tmp_path)
+
+
+def test_a_hub_mmlu_answer_must_be_an_index_0_to_3(tmp_path):
+    subject = tmp_path / "anatomy"
+    subject.mkdir()
+    good = {"question": [SECRET], "subject": ["anatomy"], "choices": [["a", "b", "c", "d"]], "answer": [1]}
+    pq.write_table(pa.table(good), subject / "dev-0.parquet")
+    pq.write_table(pa.table({**good, "answer": [4]}), subject / "test-0.parquet")
+    with pytest.raises(BenchmarkDataError, match=r"test-0.parquet: row 0: answer must be an integer 0-3") as error:
+        check_mmlu(tmp_path)
+    assert SECRET not in str(error.value)
+
+
 def test_missing_or_malformed_data_names_what_was_expected(tmp_path, data):
     with pytest.raises(BenchmarkDataError, match=r"does not exist"):
         check_mmlu(tmp_path / "nowhere")
@@ -60,7 +114,7 @@ def test_missing_or_malformed_data_names_what_was_expected(tmp_path, data):
     bad = tmp_path / "mmlu" / "test"
     bad.mkdir(parents=True)
     (bad / "anatomy_test.csv").write_text('"q",a,b,c,d,A\n"q2",a,b,c,d,E\n')
-    with pytest.raises(BenchmarkDataError, match=r"anatomy_test.csv:2: expected 6 columns .*answer letter A-D"):
+    with pytest.raises(BenchmarkDataError, match=r"anatomy_test.csv:2: the answer must be one letter A, B, C or D"):
         check_mmlu(tmp_path / "mmlu")
     (bad / "anatomy_test.csv").write_text('"q",a,b,c,d,A\n')
     with pytest.raises(BenchmarkDataError, match=r"dev/anatomy_dev.csv is missing"):
@@ -68,7 +122,7 @@ def test_missing_or_malformed_data_names_what_was_expected(tmp_path, data):
     gsm = tmp_path / "gsm"
     gsm.mkdir()
     (gsm / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
-    with pytest.raises(BenchmarkDataError, match=r"test.jsonl:1: expected 'question' and an 'answer' ending in"):
+    with pytest.raises(BenchmarkDataError, match=r"test.jsonl:1: expected an 'answer' string ending in '#### N'"):
         check_gsm8k(gsm)
     (tmp_path / "hub" / "anatomy").mkdir(parents=True)
     pq.write_table(pa.table({"question": ["q"]}), tmp_path / "hub" / "anatomy" / "test-0.parquet")

@@ -1,7 +1,6 @@
 """Loss spikes (logged, or rolled back with the offending data skipped) and a save that fails for lack of
 space, in real 2-process ZeRO-3 runs."""
 
-import json
 import resource
 import subprocess
 
@@ -10,7 +9,7 @@ import pytest
 from recipes.checkpointing import manifest_problems, verify_checksums
 from recipes.metrics import read_metrics
 from recipes.run_state import LossSpikeRule
-from tests.conftest import REPO, launch_command, start, tiny_overrides
+from tests.conftest import REPO, data_position, launch_command, start, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess
 
@@ -58,11 +57,9 @@ def test_loss_spikes_are_logged_then_rolled_back_with_the_data_window_skipped(tm
     assert f"step {first}: loss spike" in rolled.stderr and f"rolling back to checkpoint-{checkpoint}" in rolled.stderr
     records = read_metrics(tmp_path / "rollback" / "metrics.jsonl")
     assert [r["rolled_back_to_step"] for r in records if "rolled_back_to_step" in r] == [checkpoint]
-    manifest = json.loads((tmp_path / "rollback" / f"checkpoint-{STEPS}" / "manifest.json").read_text())
+    position = data_position(tmp_path / "rollback" / f"checkpoint-{STEPS}")
     skipped = first - checkpoint  # steps of data between the checkpoint and the spike, not trained on again
-    assert [p["rows_consumed"] for p in manifest["data_position"]["per_rank"]] == [
-        (STEPS + skipped) * ROWS_PER_STEP_PER_RANK
-    ] * 2
+    assert [p["rows_consumed"] for p in position["per_rank"]] == [(STEPS + skipped) * ROWS_PER_STEP_PER_RANK] * 2
     assert "logged only" in rolled.stderr or len(spikes) == 1, "after the one allowed rollback, spikes are logged"
 
 

@@ -49,3 +49,12 @@ def test_validation_batches_cover_each_row_once_with_equal_counts(num_rows, worl
     assert len({len(batches) for batches in per_rank}) == 1, "ZeRO-3 needs the same forward count on every rank"
     counted = [int(r) for batches in per_rank for batch, weight in batches if weight for r in batch]
     assert sorted(counted) == list(range(num_rows))
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning_not_a_failed_resume(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.9}\n{"step": 3, "lo')  # killed mid-write
+    assert [r["step"] for r in metrics.read_metrics(path)] == [1, 2]
+    metrics.truncate_metrics(path, after_step=2)  # what a resume at step 2 does
+    assert path.read_text() == '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.9}\n'
+    assert "metrics.jsonl:3 is not a metrics record" in caplog.text

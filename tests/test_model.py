@@ -12,8 +12,8 @@ from recipes.model import (
     count_parameters,
     enable_chunked_checkpointing,
     optimizer_param_groups,
-    training_flops_per_token,
 )
+from recipes.plan import training_flops_per_token
 from tests.conftest import REPO
 
 

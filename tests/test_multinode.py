@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from recipes.metrics import read_metrics
-from tests.conftest import REPO, free_port, start, tiny_overrides
+from tests.conftest import REPO, data_position, free_port, start, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,6 +34,6 @@ def test_two_machines_on_loopback_train_save_and_export(tmp_path, corpus):
     log = outputs[0][1]
     assert "on 2 GPUs / 2 node(s)" in log, "each machine runs one of the two ranks"
     manifest = json.loads((tmp_path / "checkpoint-6" / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and len(manifest["data_position"]["per_rank"]) == 2
+    assert manifest["world_size"] == 2 and len(data_position(tmp_path / "checkpoint-6")["per_rank"]) == 2
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == [2, 4, 6]
     assert (tmp_path / "final" / "model.safetensors").exists()

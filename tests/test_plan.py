@@ -79,6 +79,8 @@ def test_spec_checks_for_the_8_gpu_recipe():
     assert plan.fits and 40 <= plan.per_gpu_memory_gb["total"] <= 50
     assert plan.host_memory_terms_gb["offloaded_optimizer"] == pytest.approx(1100, rel=0.01)
     assert plan.checkpoint_gb == pytest.approx(140 + 840, rel=0.02)
+    # resume re-hashes the ~966 GB: each of 8 ranks ~121 GB at 0.8 GB/s
+    assert plan.checkpoint_verify_s == pytest.approx(plan.checkpoint_gb / 8 / 0.8, rel=0.01)
     assert any("1.5x buffer factor" in w for w in plan.warnings), "DeepSpeed's 1.66 TB exceeds the 1.5 TB node"
 
 

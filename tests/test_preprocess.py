@@ -16,15 +16,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import zstandard
-from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 
+from common.files import sha256_of
 from data_prep.packed_dataset import GlobalBatchSampler, PackedRows, micro_batch_rows
 from data_prep.packing import pack_documents
 from data_prep.preprocess import PreprocessError, main, preprocess
 from data_prep.readers import iter_texts
-from recipes.checkpointing import sha256_of
-from recipes.run_state import EpochBatches
+from recipes.config import PretrainConfig
+from recipes.train_data import TrainData
 from tests.conftest import LAUNCH_ENV, REPO
 
 SEQ = 64
@@ -153,7 +153,7 @@ def test_sigkill_then_the_same_command_finishes_identically(tmp_path, corpus):
                "--rows-per-shard", "150"]  # fmt: skip
     victim = subprocess.Popen(command, cwd=REPO, env=LAUNCH_ENV, start_new_session=True, stdout=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while not (out / ".progress" / "state.json").exists():
+    while not (out / ".progress" / "progress.npz").exists():
         assert victim.poll() is None and time.time() < deadline, "finished before it could be killed"
         time.sleep(0.01)
     os.killpg(victim.pid, signal.SIGKILL)
@@ -190,25 +190,28 @@ def test_packed_rows_through_workers_and_resume_at_a_global_position(preprocesse
     rows = PackedRows(out)
     expected = torch.from_numpy(np.array(datasets.load_dataset(str(out), split="train")["input_ids"], dtype=np.int64))
 
-    def loader(rank, world, workers):
-        sampler = GlobalBatchSampler(len(rows), 2, 2, world, rank)
-        return DataLoader(rows, batch_sampler=sampler, num_workers=workers)
+    def train_data(rank, world, accumulation, workers):
+        config = PretrainConfig(
+            output_dir="unused", tokenizer_name_or_path="unused", train_files=[str(out)],
+            per_device_train_batch_size=2, gradient_accumulation_steps=accumulation, dataloader_num_workers=workers,
+        )  # fmt: skip
+        return TrainData(rows, config, None, rank, world)
 
-    two_ranks = [EpochBatches(loader(rank, 2, 2), 1) for rank in range(2)]
+    two_ranks = [train_data(rank, 2, 2, 2) for rank in range(2)]
     seen = []
     for _ in range(5):
         for rank_batches in two_ranks:
             seen.extend(torch.cat(rank_batches.take(2)).tolist())
     assert sorted(map(tuple, seen)) == sorted(map(tuple, expected[:40].tolist()))
-    position = two_ranks[0].position()["rows_consumed"] * 2  # what a checkpoint stores: global rows
+    state = two_ranks[0].state_dict()  # what a checkpoint stores (in one process: this rank's view)
+    assert state["kind"] == "preprocessed" and state["global_rows_consumed"] == 40
     next_global_step = sorted(tuple(r) for rank_batches in two_ranks for r in torch.cat(rank_batches.take(2)).tolist())
     for rank_batches in two_ranks:
         rank_batches.close()
     # resumed on ONE process with accumulation 4 (same global batch of 8): the same next rows
-    single = EpochBatches(loader(0, 1, 1), 1)
-    single.loader.batch_sampler.accumulation = 4
-    single.loader.batch_sampler.steps_per_epoch = len(rows) // 8
-    single.restore(0, position)
+    single = train_data(0, 1, 4, 1)
+    assert single.resume_problem(state) is None
+    single.load_state_dict(state)
     assert sorted(map(tuple, torch.cat(single.take(4)).tolist())) == next_global_step
     single.close()
 

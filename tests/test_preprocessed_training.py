@@ -9,7 +9,7 @@ import pytest
 
 from data_prep.preprocess import preprocess
 from recipes.metrics import read_metrics
-from tests.conftest import REPO, launch, tiny_overrides
+from tests.conftest import REPO, data_position, forge_data_position, launch, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess
 
@@ -59,13 +59,11 @@ def resume_from_step_6(tmp_path, uninterrupted, corpus, packed_dir, reset_positi
     shutil.copytree(uninterrupted, output_dir)
     shutil.rmtree(output_dir / f"checkpoint-{STEPS}")
     shutil.rmtree(output_dir / "final")
-    manifest_path = output_dir / "checkpoint-6" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    assert manifest["data_position"]["kind"] == "preprocessed"
-    assert manifest["data_position"]["global_rows_consumed"] == 6 * 32  # steps x global batch
+    position = data_position(output_dir / "checkpoint-6")
+    assert position["kind"] == "preprocessed"
+    assert position["global_rows_consumed"] == 6 * 32  # steps x global batch
     if reset_position:
-        manifest["data_position"]["global_rows_consumed"] = 0
-        manifest_path.write_text(json.dumps(manifest))
+        forge_data_position(output_dir / "checkpoint-6", lambda position: position.update(global_rows_consumed=0))
     result = launch(REPO / "recipes/pretrain.py", run_args(corpus, packed_dir, output_dir))
     assert result.returncode == 0, result.stderr[-4000:]
     assert "checkpoint-6 at step 6" in result.stderr
@@ -124,7 +122,8 @@ def test_resume_on_another_number_of_processes_through_the_universal_checkpoint(
     assert train[7] == pytest.approx(expected[7], rel=1e-6), "same model and same rows at the first step"
     assert all(train[s] == pytest.approx(expected[s], rel=1e-4) for s in range(8, STEPS + 1))
     manifest = json.loads((output_dir / f"checkpoint-{STEPS}" / "manifest.json").read_text())
-    assert manifest["world_size"] == 1 and manifest["data_position"]["global_rows_consumed"] == STEPS * 32
+    assert manifest["world_size"] == 1
+    assert data_position(output_dir / f"checkpoint-{STEPS}")["global_rows_consumed"] == STEPS * 32
 
 
 def test_raw_text_positions_cannot_move_to_another_world_size(tmp_path, corpus):

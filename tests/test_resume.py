@@ -2,7 +2,6 @@
 and require every logged loss to equal an uninterrupted run's, bit for bit."""
 
 import json
-import os
 import random
 import re
 import shutil
@@ -10,13 +9,23 @@ import signal
 import subprocess
 import time
 
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipes.metrics import read_metrics
 from recipes.validation import load_validation_rows
-from tests.conftest import REPO, launch, launch_command, start, tiny_overrides
+from tests.conftest import (
+    LAUNCH_ENV,
+    REPO,
+    forge_data_position,
+    kill_whole_tree,
+    launch,
+    launch_command,
+    start,
+    tiny_overrides,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -56,24 +65,27 @@ def uninterrupted(tmp_path_factory, corpus):
 
 def test_sigkill_anywhere_then_relaunch_is_bit_exact(tmp_path, corpus, uninterrupted):
     output_dir = tmp_path / "killed"
+    # a common shell setting that used to deadlock the relaunch's dataloader worker
+    env = {**LAUNCH_ENV, "TOKENIZERS_PARALLELISM": "true"}
     command = launch_command(REPO / "recipes/pretrain.py", run_args(corpus, output_dir))
-    victim = start(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    victim = start(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 300
     while not (output_dir / "latest").exists() and victim.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     delay = random.uniform(0.0, 2.5)  # somewhere in the next steps, possibly inside a save
     time.sleep(delay)
     killed = victim.poll() is None
-    os.killpg(victim.pid, signal.SIGKILL)
+    killed_processes = kill_whole_tree(victim.pid)
     victim.wait()
+    assert not killed or killed_processes >= 5, "launcher, 2 ranks and a dataloader worker each"
     published_at_kill = (output_dir / "latest").read_text().strip()
 
-    result = launch(REPO / "recipes/pretrain.py", run_args(corpus, output_dir))
-    assert result.returncode == 0, result.stderr[-4000:]
+    relaunch = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert relaunch.returncode == 0, relaunch.stderr[-4000:]
     if killed:
         # The newest complete checkpoint: the one `latest` named, or a newer one whose rename landed
         # just before the kill and the pointer update did not.
-        resumed = re.search(r"resume: continuing from .*checkpoint-(\d+) at step", result.stderr)
+        resumed = re.search(r"resume: continuing from .*checkpoint-(\d+) at step", relaunch.stderr)
         assert resumed and int(resumed.group(1)) >= int(published_at_kill.split("-")[1])
     expected_train, expected_evals = losses(uninterrupted)
     train, evals = losses(output_dir)
@@ -89,11 +101,12 @@ def test_negative_control_without_the_data_position_diverges(tmp_path, uninterru
     output_dir = tmp_path / "reset"
     shutil.copytree(uninterrupted, output_dir)
     shutil.rmtree(output_dir / f"checkpoint-{STEPS}")
-    manifest_path = output_dir / "checkpoint-12" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    for position in manifest["data_position"]["per_rank"]:
-        position["rows_consumed"] = 0
-    manifest_path.write_text(json.dumps(manifest))
+
+    def reset(position):
+        for rank_position in position["per_rank"]:
+            rank_position["rows_consumed"] = 0
+
+    forge_data_position(output_dir / "checkpoint-12", reset)
 
     result = launch(REPO / "recipes/pretrain.py", run_args(corpus, output_dir))
     assert result.returncode == 0, result.stderr[-4000:]
@@ -129,7 +142,8 @@ def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, 
             time.sleep(0.1)
         time.sleep(1.0)
         if how.startswith("preemption"):
-            os.killpg(job.pid, signal.SIGTERM)  # Slurm's preemption signals every process of the job
+            for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
+                process.send_signal(signal.SIGTERM)  # Slurm's preemption signals every process of the job
         else:  # what scripts/slurm/run.sh does before the time limit, narrowed to this test's run
             subprocess.run(["pkill", "-USR1", "-f", "--", f"{RANK_PATTERN}.*{output_dir}"], check=True)
         job.wait(timeout=120)

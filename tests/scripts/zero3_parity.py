@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from recipes.config import load_config
 from recipes.deepspeed_config import offloads_optimizer
 from recipes.model import build_model, build_optimizer, llama_config, optimizer_param_groups
-from recipes.pretrain import setup_distributed
+from recipes.startup import setup_distributed
 
 STEPS = 2
 

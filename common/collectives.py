@@ -1,0 +1,51 @@
+"""Decisions every rank takes together. Each function is a collective: call it on every rank, in the same
+order, or the ranks deadlock. Without an initialised process group they answer for this process alone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def ranks_where(condition: bool, device: torch.device | str = "cpu") -> list[int]:
+    """The ranks on which `condition` holds (one all-reduce of a world-size vector)."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if _distributed() else (1, 0)
+    flags = torch.zeros(world, device=device)
+    flags[rank] = float(condition)
+    if _distributed():
+        dist.all_reduce(flags)
+    return [r for r in range(world) if flags[r] > 0]
+
+
+def any_rank(conditions: Sequence[bool], device: torch.device | str = "cpu") -> list[bool]:
+    """For each condition, whether it holds on at least one rank (one all-reduce, MAX)."""
+    flags = torch.tensor([float(c) for c in conditions], device=device)
+    if _distributed():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [bool(f > 0) for f in flags]
+
+
+def on_main_process(check, catch: tuple[type[Exception], ...]):
+    """Run `check()` on global rank 0 only; an exception of a type in `catch` raised there is raised again, with
+    the same message, on every rank, so that all ranks stop together (a collective). Returns what `check`
+    returned on rank 0, and None on the other ranks."""
+    outcome: list = [None, None]
+    if not _distributed() or dist.get_rank() == 0:
+        try:
+            outcome[0] = check()
+        except catch as error:
+            outcome[1] = (type(error), str(error))
+    if _distributed():
+        shared = [outcome[1]]
+        dist.broadcast_object_list(shared, src=0)
+        outcome[1] = shared[0]
+    if outcome[1] is not None:
+        error_type, message = outcome[1]
+        raise error_type(message)
+    return outcome[0]

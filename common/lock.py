@@ -1,0 +1,112 @@
+"""One writer per directory: a lock file that names its holder.
+
+`DirectoryLock(path).acquire()` creates `path/.lock`, holds an exclusive `flock` on it for the life of the
+process, and writes who holds it (host, pid, process start time, command). A second process finds the flock
+taken and stops, naming the holder. The kernel drops the flock when its holder dies, even by SIGKILL, so a lock
+left by a dead process on this host is taken over (with a warning). A lock recorded by another host is never
+taken over: on a shared filesystem without working cross-node flock a live holder there would look dead, so
+the error says how to clear it by hand once that node is known to be down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+
+
+class LockedError(RuntimeError):
+    """Another process holds the directory; the message names it and what to do."""
+
+
+def _this_process() -> dict:
+    import psutil
+
+    me = psutil.Process()
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "process_started": me.create_time(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join(sys.argv)[:500],
+    }
+
+
+def _alive_on_this_host(holder: dict) -> bool:
+    import psutil
+
+    try:
+        process = psutil.Process(int(holder.get("pid", -1)))
+        # a reused pid belongs to a process started later than the holder
+        return abs(process.create_time() - float(holder.get("process_started", 0))) < 1.0
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+
+
+def describe(holder: dict) -> str:
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started', '?')}"
+
+
+class DirectoryLock:
+    def __init__(self, directory: str | Path, what: str):
+        self.directory, self.what = Path(directory), what
+        self.path = self.directory / LOCK_FILE
+        self._fd: int | None = None
+        self.took_over: dict | None = None  # the dead holder replaced, if any
+
+    def acquire(self) -> DirectoryLock:
+        """Take the lock or raise LockedError; creates the directory."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read(fd)
+                os.close(fd)
+                raise LockedError(
+                    f"{self.directory} is in use by another {self.what} ({describe(holder)}); wait for it to end, "
+                    "stop it, or choose another directory"
+                ) from None
+            # the file may have been removed by its holder's release between our open and our flock
+            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        previous = _read(fd)
+        if previous and previous.get("host") != socket.gethostname():
+            os.close(fd)
+            raise LockedError(
+                f"{self.directory} is locked by a {self.what} on another host ({describe(previous)}). If that run "
+                f"is over (its node died), delete {self.path} and launch again"
+            )
+        if previous and _alive_on_this_host(previous):
+            os.close(fd)
+            raise LockedError(f"{self.directory} is in use by another {self.what} ({describe(previous)})")
+        self.took_over = previous or None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_this_process()).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # before the flock goes, so no one takes over a lock file about to vanish
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 1 << 16, 0).decode() or "{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}

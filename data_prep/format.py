@@ -1,0 +1,39 @@
+"""The on-disk format of a preprocessed directory, shared by the writer (`preprocess`) and the readers
+(`packed_dataset`, training): names, token dtype, and the tokenizer identity both sides compare."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+SHARD_DIR = "data"
+MANIFEST = "manifest.json"  # written last: its presence means the directory is complete
+
+
+def shard_name(index: int) -> str:
+    return f"{SHARD_DIR}/train-{index:05d}.parquet"
+
+
+def is_preprocessed(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
+
+
+def tokenizer_identity(tokenizer, name: str) -> dict:
+    """Name and a content hash of a fast tokenizer: its full serialization (vocabulary, merges, normalizer,
+    pre-tokenizer, added tokens) plus EOS, so a copy in another directory has the same identity."""
+    serialized = tokenizer.backend_tokenizer.to_str()
+    digest = hashlib.sha256(serialized.encode("utf-8"))
+    digest.update(f"eos={tokenizer.eos_token_id}".encode())
+    return {
+        "name": str(name),
+        "sha256": digest.hexdigest(),
+        "vocab_size": len(tokenizer),
+        "eos_id": tokenizer.eos_token_id,
+    }

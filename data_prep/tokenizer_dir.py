@@ -1,0 +1,38 @@
+"""Loading a tokenizer by directory (or hub name) with an error that says what is wrong: a missing directory, or
+one without tokenizer files, used to surface as transformers' "install sentencepiece" or a repo-id complaint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "tokenizer_config.json")
+
+
+class TokenizerLoadError(ValueError):
+    """The tokenizer named by a flag or key cannot be loaded; the message names it and what would be valid."""
+
+
+def looks_local(name_or_path: str) -> bool:
+    """A path rather than a hub name: it exists, or it is written like a path (a hub name is `org/name`)."""
+    return Path(name_or_path).exists() or name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") != 1
+
+
+def load_tokenizer(name_or_path: str, what: str):
+    """`AutoTokenizer.from_pretrained`, after checking that a local directory holds a tokenizer. `what` names
+    the flag or key in messages (`tokenizer_name_or_path`, `--tokenizer`)."""
+    path = Path(name_or_path).expanduser()
+    if looks_local(str(name_or_path)):
+        if not path.is_dir():
+            raise TokenizerLoadError(f"{what} {name_or_path}: no such directory")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise TokenizerLoadError(
+                f"{what} {name_or_path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}): point it at a "
+                "tokenizer directory (python -m data_prep.train_tokenizer writes one; so does save_pretrained)"
+            )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path) if looks_local(str(name_or_path)) else name_or_path)
+    except (OSError, ValueError, ImportError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise TokenizerLoadError(f"{what} {name_or_path}: cannot load it ({first_line})") from None

@@ -1,0 +1,319 @@
+"""What happens at intervals of the training loop, one class each.
+
+Every method of a callback runs on every rank at the same point of the loop, so a callback that runs a
+collective (an evaluation forward under ZeRO-3, a save, a reduction) stays in step with the other ranks.
+Files are written through `trainer.metrics`, which writes on the main process only. The Trainer calls, in
+the order the callbacks were given:
+
+    on_train_start(trainer)                 before the first step
+    on_step_end(trainer, result, control)   after every optimizer step; `control` can stop the run or mark the
+                                            step undone (a rollback), which hides it from later callbacks
+    on_save(trainer, path)                  after a checkpoint is published
+    on_train_end(trainer, stop)             after the last step, with the reason
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from recipes import metrics
+from recipes.run_state import LossSpikeRule, Stop, StopReason
+from recipes.validation import validation_loss
+
+if TYPE_CHECKING:
+    from eval.harness import BenchmarkSettings
+    from recipes.trainer import StepResult, Trainer
+
+logger = logging.getLogger("pretrain")
+
+
+@dataclass
+class Control:
+    """What the callbacks of one step decided."""
+
+    stop: Stop | None = None
+    step_undone: bool = False
+
+
+class Callback:
+    """Base class: every method does nothing unless overridden."""
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        pass
+
+    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+        pass
+
+    def on_save(self, trainer: Trainer, path: Path) -> None:
+        pass
+
+    def on_train_end(self, trainer: Trainer, stop: Stop) -> None:
+        pass
+
+
+class LossSpikeGuard(Callback):
+    """A step whose loss (mean over ranks) exceeds `factor` x the running mean is logged; with `rollback`,
+    every rank reloads the last checkpoint and continues with the data after the spike, so the window between
+    the checkpoint and the spike is skipped rather than trained on again."""
+
+    def __init__(self, factor: float, window: int, action: str, max_rollbacks: int):
+        self.rule = LossSpikeRule(factor, window)
+        self.action, self.max_rollbacks, self.rollbacks = action, max_rollbacks, 0
+
+    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+        # One scalar all-reduce per step (a 70B step takes ~100 s).
+        step_loss = trainer.accelerator.reduce(torch.stack(result.losses).double().mean(), reduction="mean").item()
+        running_mean = self.rule.check(step_loss)
+        if running_mean is None:
+            return
+        last = trainer.checkpointer.last
+        act = self.action == "rollback" and last is not None and self.rollbacks < self.max_rollbacks
+        logger.warning(
+            "step %d: loss spike %.4f > %.2f x running mean %.4f; %s",
+            trainer.state.step,
+            step_loss,
+            self.rule.factor,
+            running_mean,
+            f"rolling back to {last.name}, skipping the data since" if act else "logged only",
+        )
+        spike = {"loss_spike": step_loss, "loss_running_mean": running_mean, "loss_spike_step": trainer.state.step}
+        if act:
+            self.rollbacks += 1
+            trainer.load_checkpoint(last, skip=("data_position",))  # every rank reloads; the data position stays
+            spike["rolled_back_to_step"] = trainer.state.step
+            control.step_undone = True
+        trainer.metrics.write(trainer.state.step, spike)
+
+
+class MetricLogger(Callback):
+    """Every `logging_steps`: loss, lr, grad norm, tokens/s, MFU and peak memory, reduced over ranks, to the
+    console, metrics.jsonl, TensorBoard and Prometheus; and the step of every published checkpoint."""
+
+    def __init__(self, logging_steps: int, flops_per_token: float, peak_tflops_per_device: float | None):
+        self.logging_steps = logging_steps
+        self.flops_per_token, self.peak_tflops_per_device = flops_per_token, peak_tflops_per_device
+        self.latest: dict = {}
+
+    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+        if not trainer.due(self.logging_steps):
+            return
+        self.latest = self.window_record(trainer, result.lr)
+        self.latest["num_tokens"] = trainer.state.num_tokens
+        trainer.metrics.write(trainer.state.step, self.latest)
+        trainer.window.reset()
+
+    def window_record(self, trainer: Trainer, lr: float) -> dict:
+        """Metrics over the steps since the last log, reduced over ranks (a collective on every rank)."""
+        accelerator, window = trainer.accelerator, trainer.window
+        totals = accelerator.reduce(window.totals.clone(), reduction="sum")
+        memory = torch.tensor(
+            [metrics.peak_host_memory_gb(), metrics.peak_gpu_memory_gb() or 0.0], device=accelerator.device
+        )
+        memory = accelerator.reduce(memory, reduction="max")
+        # Ranks step in lockstep, so the slowest rank's time is the window's wall time; the tokens are
+        # what all ranks consumed together, each counting only its own micro-batches.
+        seconds = accelerator.reduce(torch.tensor([window.seconds], device=accelerator.device), reduction="max").item()
+        window_tokens = int(totals[2].item())
+        window_steps = int(totals[1].item()) // (trainer.config.gradient_accumulation_steps * accelerator.num_processes)
+        tokens_per_s = metrics.tokens_per_second(window_tokens, seconds)
+        grad_norm = trainer.model.get_global_grad_norm()
+        world = accelerator.num_processes
+        record = {
+            "loss": totals[0].item() / totals[1].item(),
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "tokens_per_s": tokens_per_s,
+            "mfu": metrics.model_flops_utilization(
+                tokens_per_s, self.flops_per_token, world, self.peak_tflops_per_device
+            ),
+            "peak_host_memory_gb": memory[0].item(),
+            "step_time_s": seconds / window_steps,
+        }
+        if torch.cuda.is_available():
+            record["peak_gpu_memory_gb"] = memory[1].item()
+        logger.info(
+            "loss %.4f | lr %.3g | grad_norm %.3f | %.0f tokens/s | MFU %s | host %.2f GB",
+            record["loss"],
+            lr,
+            record["grad_norm"] or float("nan"),
+            tokens_per_s,
+            "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%",
+            record["peak_host_memory_gb"],
+        )
+        return record
+
+    def on_save(self, trainer: Trainer, path: Path) -> None:
+        trainer.metrics.write(trainer.state.step, {"last_checkpoint_step": trainer.state.step})
+        logger.info("step %d: saved %s", trainer.state.step, path)
+
+
+class Benchmarks(Callback):
+    """MMLU / GSM8K through lm-eval on the live ZeRO-3 model at every `every`-th evaluation and the last step.
+    Every rank runs every request (each forward gathers the shards); a failure is logged and training goes on."""
+
+    def __init__(self, settings: BenchmarkSettings, tokenizer, output_dir: Path, eval_steps: int, every: int):
+        self.settings, self.tokenizer, self.output_dir = settings, tokenizer, Path(output_dir)
+        self.eval_steps, self.every = eval_steps, every
+
+    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+        if not trainer.due(self.eval_steps):
+            return
+        evaluation = trainer.state.step // self.eval_steps
+        if evaluation % self.every and not trainer.is_last_step:
+            return
+        from eval.in_loop import run_benchmarks
+
+        scores = run_benchmarks(
+            trainer.model, trainer.accelerator, self.tokenizer, self.settings, trainer.state.step, self.output_dir
+        )
+        if scores:
+            trainer.metrics.write(trainer.state.step, scores)
+
+
+class Validation(Callback):
+    """eval_loss every `eval_steps` (and at the last step) on every rank. A new best is saved at once (and kept
+    by rotation); after `patience` evaluations without an improvement larger than `threshold` the run stops.
+    The loss is all-reduced, so every rank takes the same decision."""
+
+    def __init__(self, rows: torch.Tensor, eval_steps: int, batch_size: int, eos_id: int | None,
+                 patience: int | None, threshold: float):  # fmt: skip
+        self.rows, self.eval_steps, self.batch_size, self.eos_id = rows, eval_steps, batch_size, eos_id
+        self.patience, self.threshold = patience, threshold
+
+    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+        if not trainer.due(self.eval_steps):
+            return
+        state = trainer.state
+        eval_loss = validation_loss(trainer.model, trainer.accelerator, self.rows, self.batch_size, self.eos_id)
+        trainer.metrics.write(state.step, {"eval_loss": eval_loss})
+        logger.info("step %d: eval_loss %.4f", state.step, eval_loss)
+        if state.best_eval_loss is None or eval_loss < state.best_eval_loss - self.threshold:
+            state.best_eval_loss, state.evaluations_without_improvement = eval_loss, 0
+            state.best_checkpoint = f"checkpoint-{state.step}"
+            trainer.save()  # the best model is always on disk, and protected from rotation
+            return
+        state.evaluations_without_improvement += 1
+        if self.patience and state.evaluations_without_improvement >= self.patience:
+            control.stop = Stop(
+                StopReason.EARLY_STOPPING,
+                f"no eval_loss improvement in {state.evaluations_without_improvement} evaluations "
+                f"(best {state.best_eval_loss:.4f} at {state.best_checkpoint})",
+            )
+            trainer.save()
+
+
+class PeriodicCheckpoint(Callback):
+    """A checkpoint every `save_steps` and at the last step (rotation keeps `save_total_limit` and the best)."""
+
+    def __init__(self, save_steps: int):
+        self.save_steps = save_steps
+
+    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+        if trainer.due(self.save_steps):
+            trainer.save()
+
+
+class ProgressBar(Callback):
+    """A tqdm bar with the latest loss and tokens/s on the main process."""
+
+    def __init__(self, logger_callback: MetricLogger):
+        self.logger_callback = logger_callback
+        self.bar = None
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        from tqdm.auto import tqdm
+
+        disable = not trainer.accelerator.is_main_process
+        self.bar = tqdm(
+            total=trainer.total_steps, initial=trainer.state.step, disable=disable, desc="train", unit="step"
+        )
+
+    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+        latest = self.logger_callback.latest
+        if latest:
+            self.bar.set_postfix(loss=f"{latest['loss']:.3f}", tok_s=f"{latest['tokens_per_s']:.0f}", refresh=False)
+        self.bar.update(trainer.state.step - self.bar.n)  # negative after a rollback
+
+    def on_train_end(self, trainer: Trainer, stop: Stop) -> None:
+        self.bar.close()
+
+
+def callbacks_for(config, *, flops_per_token: float, validation_rows: torch.Tensor | None, eos_id: int,
+                  benchmarks: BenchmarkSettings | None, tokenizer) -> list[Callback]:  # fmt: skip
+    """The recipe's callbacks, in the order they run after each step: the hang watchdog first (the step is
+    progress), the spike rule (a rollback hides the step from the rest), then logging, benchmarks, validation,
+    checkpoints and the progress bar."""
+    callbacks: list[Callback] = []
+    if config.hang_timeout_s:
+        callbacks.append(HangWatchdog(config.hang_timeout_s))
+    if config.loss_spike_factor:
+        callbacks.append(
+            LossSpikeGuard(
+                config.loss_spike_factor,
+                config.loss_spike_window,
+                config.loss_spike_action,
+                config.loss_spike_max_rollbacks,
+            )
+        )
+    metric_logger = MetricLogger(config.logging_steps, flops_per_token, config.peak_tflops_per_device)
+    callbacks.append(metric_logger)
+    if benchmarks is not None:
+        callbacks.append(
+            Benchmarks(benchmarks, tokenizer, config.output_dir, config.eval_steps, config.eval_benchmarks_every)
+        )
+    if validation_rows is not None:
+        callbacks.append(
+            Validation(
+                validation_rows,
+                config.eval_steps,
+                config.per_device_eval_batch_size,
+                eos_id if config.document_masking else None,
+                config.early_stopping_patience,
+                config.early_stopping_threshold,
+            )
+        )
+    callbacks.append(PeriodicCheckpoint(config.save_steps))
+    callbacks.append(ProgressBar(metric_logger))
+    return callbacks
+
+
+class HangWatchdog(Callback):
+    """A hang becomes an error in bounded time. Every forward pass (training, validation, benchmarks), optimizer
+    step and save re-arms a `faulthandler` timer; when `timeout_s` passes without one, the rank writes every
+    thread's stack to stderr ("Timeout (h:mm:ss)!") and exits with code 1, so that a scheduler's requeue
+    relaunches the run instead of leaving it idle. A rank stuck in a collective stops its peers' forwards too,
+    so every rank times out within seconds of the others. The timer is a C thread: it fires even when Python
+    is blocked inside NCCL, gloo or a dataloader queue."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._hook = None
+
+    def beat(self, *_) -> None:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(self.timeout_s, exit=True)
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self._hook = trainer.accelerator.unwrap_model(trainer.model).register_forward_pre_hook(self.beat)
+        self.beat()
+        logger.info("hang watchdog: a rank without a forward pass or step for %.0f s dumps its stacks and exits",
+                    self.timeout_s)  # fmt: skip
+
+    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+        self.beat()
+
+    def on_save(self, trainer: Trainer, path: Path) -> None:
+        self.beat()
+
+    def on_train_end(self, trainer: Trainer, stop: Stop) -> None:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+        if self._hook is not None:
+            self._hook.remove()

@@ -1,0 +1,85 @@
+"""The output directory belongs to one run at a time: the lock, and the rules for a fresh start in a used one."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from common.collectives import on_main_process
+from common.lock import DirectoryLock, LockedError, describe
+from recipes import checkpointing
+from recipes.config import ConfigError, PretrainConfig
+
+logger = logging.getLogger("pretrain")
+
+# What a run writes into output_dir; `overwrite_output_dir` removes exactly these, nothing a user put beside them.
+RUN_OUTPUTS = (
+    "metrics.jsonl", "tensorboard", "final", "eval", "loss.png", "report.md", "run_summary.json",
+    checkpointing.RESOLVED_CONFIG, "deepspeed_config.json", checkpointing.LATEST,
+)  # fmt: skip
+
+
+def lock(config: PretrainConfig) -> DirectoryLock | None:
+    """Take output_dir for this run before anything is written (global rank 0 holds it; a collective)."""
+
+    def take() -> DirectoryLock:
+        try:
+            with disk_errors_named(Path(config.output_dir)):
+                held = DirectoryLock(config.output_dir, "training run").acquire()
+        except LockedError as error:
+            raise ConfigError(f"output_dir: {error}") from None
+        if held.took_over:
+            logger.warning("output_dir: took over the lock of a dead run (%s)", describe(held.took_over))
+        return held
+
+    return on_main_process(take, catch=(ConfigError,))
+
+
+def check_fresh_start(config: PretrainConfig) -> None:
+    """`--resume none` into a directory that holds checkpoints would mix two runs (rotation keeps the old run's
+    higher steps, and `--resume auto` would later pick them): refused unless `overwrite_output_dir` clears it."""
+    output_dir = Path(config.output_dir)
+    previous = checkpointing.checkpoint_dirs(output_dir)
+    if config.resume_from_checkpoint != "none" or not previous:
+        return
+    if not config.overwrite_output_dir:
+        raise ConfigError(
+            f"--resume none, but {output_dir} holds checkpoints of another run ({previous[-1].name}, ...): resume "
+            "it (--resume auto), choose a new output_dir, or set overwrite_output_dir: true to delete that run"
+        )
+    for path in [*previous, *output_dir.glob(".checkpoint-*.tmp"), *(output_dir / name for name in RUN_OUTPUTS)]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    logger.warning("overwrite_output_dir: removed the previous run in %s (%d checkpoints)", output_dir, len(previous))
+
+
+def prepare(config: PretrainConfig, ds_config: dict) -> None:
+    """Once every check has passed (main process): clear a previous run if asked to, and write the resolved
+    recipe and DeepSpeed config beside the run's outputs."""
+    check_fresh_start(config)
+    output_dir = Path(config.output_dir)
+    with disk_errors_named(output_dir):
+        checkpointing.write_resolved_config(output_dir, config.to_dict())
+        (output_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, default=str))
+
+
+@contextlib.contextmanager
+def disk_errors_named(output_dir: Path):
+    """A full disk or quota while a launch writes its first files: one line with the free space, not a
+    traceback (a full disk during training is a failed save: exit 4, the previous checkpoint intact)."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        free_gb = shutil.disk_usage(output_dir).free / 1e9 if output_dir.exists() else float("nan")
+        raise ConfigError(
+            f"output_dir {output_dir}: {error.strerror} writing {error.filename or 'a file'} ({free_gb:.1f} GB free); "
+            "make room and relaunch: the run resumes from its last checkpoint"
+        ) from None

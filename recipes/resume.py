@@ -1,0 +1,155 @@
+"""Which checkpoint a launch resumes from, and whether it may: a checkpoint is loaded only when its files match
+their checksums and it was saved by a run with the same definition as this launch.
+
+The run-defining values (RUN_DEFINING) are kept in every checkpoint's run_identity.json and compared before the
+model is built. Everything else in the recipe may change on a resume (see the README's list)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.files import sha256_of
+from data_prep.format import MANIFEST as DATA_MANIFEST
+from data_prep.format import is_preprocessed, tokenizer_identity
+from recipes import checkpointing
+from recipes.checkpointing import CheckpointError
+from recipes.config import MODEL_CONFIG_KEYS, PretrainConfig, config_from_dict
+from recipes.train_data import TrainData
+
+logger = logging.getLogger("pretrain")
+
+RUN_IDENTITY = "run_identity.json"
+# What a checkpoint's numbers mean: change any of these and the saved weights, optimizer state or data
+# position belong to another run.
+RUN_DEFINING = {
+    "model_shape": "model_config / model_name_or_path (the model's shape)",
+    "max_seq_length": "the tokens per row",
+    "global_batch_rows": "the global batch (per_device_train_batch_size x gradient_accumulation_steps x processes)",
+    "tokenizer_sha256": "tokenizer_name_or_path (the tokenizer's content)",
+    "train_data": "train_files (the data's identity)",
+    "text_field": "text_field",
+}
+
+
+def data_identity(train_files: list[str]) -> list[dict[str, Any]]:
+    """A preprocessed directory by its manifest's hash; raw files by name and size (hashing terabytes of raw text
+    at every start would cost hours); hub datasets by name. Moving the data to another path keeps its identity."""
+    if len(train_files) == 1 and is_preprocessed(train_files[0]):
+        return [{"preprocessed_manifest_sha256": sha256_of(Path(train_files[0]) / DATA_MANIFEST)}]
+    from data_prep.readers import resolve_sources
+
+    identity = []
+    for source in resolve_sources(train_files, "train_files"):
+        path = Path(source)
+        identity.append({"name": path.name, "bytes": path.stat().st_size} if path.is_file() else {"name": source})
+    return identity
+
+
+def run_identity(config: PretrainConfig, model_config, tokenizer, world_size: int) -> dict[str, Any]:
+    return {
+        "model_shape": {key: getattr(model_config, key, None) for key in (*MODEL_CONFIG_KEYS, "rope_parameters")},
+        "max_seq_length": config.max_seq_length,
+        "global_batch_rows": config.resolved_global_batch_size(world_size),
+        "tokenizer_sha256": tokenizer_identity(tokenizer, config.tokenizer_name_or_path)["sha256"],
+        "train_data": data_identity(config.train_files),
+        "text_field": config.text_field,
+    }
+
+
+def run_files(config: PretrainConfig, identity: dict[str, Any]) -> dict[str, str]:
+    """The files every checkpoint of this run carries besides its state: the resolved recipe and the identity."""
+    return {
+        checkpointing.RESOLVED_CONFIG: checkpointing.resolved_config_text(config.to_dict()),
+        RUN_IDENTITY: json.dumps(identity, indent=2),
+    }
+
+
+def saved_identity(path: Path, tokenizer) -> dict[str, Any]:
+    """The identity a checkpoint was saved with. Checkpoints from before run_identity.json existed get it rebuilt
+    from their config.yaml (the tokenizer's content could not be recorded then: this launch's stands in)."""
+    if (path / RUN_IDENTITY).is_file():
+        return json.loads((path / RUN_IDENTITY).read_text())
+    from recipes.model import llama_config
+
+    saved = config_from_dict(yaml.safe_load((path / checkpointing.RESOLVED_CONFIG).read_text()), str(path))
+    world = checkpointing.read_manifest(path)["world_size"]
+    return run_identity(saved, llama_config(saved, len(tokenizer)), tokenizer, world)
+
+
+def identity_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Each differing value, named (`model_shape.num_hidden_layers: 4 -> 2`)."""
+    changes = []
+    for key, meaning in RUN_DEFINING.items():
+        if key not in saved or saved[key] == current[key]:
+            continue
+        if isinstance(saved[key], dict) and isinstance(current[key], dict):
+            for inner in sorted(set(saved[key]) | set(current[key])):
+                before, after = saved[key].get(inner), current[key].get(inner)
+                if before != after:
+                    changes.append(f"{key}.{inner}: {_short(before)} -> {_short(after)} ({meaning})")
+        else:
+            changes.append(f"{key}: {_short(saved[key])} -> {_short(current[key])} ({meaning})")
+    return changes
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def choose_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
+    """The newest checkpoint whose files all match their sha256 (every rank hashes its share; a collective);
+    a damaged one is skipped for the previous one with a warning, and an explicit `--resume PATH` is refused."""
+    from accelerate.utils import gather_object
+
+    def verify(path: Path) -> list[str]:
+        started = time.perf_counter()
+        share = checkpointing.verify_share(path, accelerator.process_index, accelerator.num_processes)
+        problems = [problem for part in gather_object([share]) for problem in part]
+        size_gb = sum(entry["bytes"] for entry in checkpointing.read_manifest(path)["files"].values()) / 1e9
+        logger.info("resume: verified %s (%.2f GB) in %.1f s", path.name, size_gb, time.perf_counter() - started)
+        return problems
+
+    path, notes = checkpointing.find_resume_checkpoint(config.output_dir, config.resume_from_checkpoint, verify)
+    for note in notes:
+        logger.warning("resume: %s", note)
+    if path is None:
+        logger.info("resume: starting from scratch (resume_from_checkpoint=%s)", config.resume_from_checkpoint)
+    return path
+
+
+def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: TrainData, world_size: int) -> None:
+    """Refuse, before the model is built, a checkpoint saved by another run or that this launch cannot continue."""
+    saved = saved_identity(path, tokenizer)
+    changes = identity_changes(saved, identity)
+    if changes:
+        raise CheckpointError(
+            f"cannot resume from {path}: the run-defining values differ from the checkpoint's: "
+            + "; ".join(changes)
+            + ". Resume with the values it was saved with, or start a new run in another output_dir"
+        )
+    saved_world = checkpointing.read_manifest(path)["world_size"]
+    problem = data.resume_problem(checkpointing.read_trainer_state(path)["data_position"])
+    if problem:
+        raise CheckpointError(f"cannot resume from {path}: {problem}")
+    if saved_world != world_size:
+        if not checkpointing.has_universal(path):
+            raise CheckpointError(
+                f"{path} was written by {saved_world} processes, this launch has {world_size}. ZeRO-3 shards are "
+                "per rank: convert the checkpoint once with DeepSpeed's universal format, python -m "
+                f"deepspeed.checkpoint.ds_to_universal --input_folder {path}/pytorch_model --output_folder "
+                f"{path}/{checkpointing.UNIVERSAL_DIR}/pytorch_model , then relaunch"
+            )
+        logger.warning(
+            "resume: %s was written by %d processes; loading its universal checkpoint on %d. Per-rank RNG states "
+            "do not carry over (reseeded from seed + step), so the run continues exactly but not bit-identically",
+            path,
+            saved_world,
+            world_size,
+        )

@@ -1,0 +1,209 @@
+"""Everything before the model costs anything: distributed setup, logging, the preflight checks of every
+input, and the choice of the checkpoint to resume from. A bad config, file or checkpoint stops here."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.collectives import on_main_process
+from data_prep.packed_dataset import PackedRows
+from data_prep.readers import resolve_sources
+from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+from eval.harness import BenchmarkSettings
+from recipes import checkpointing, deepspeed_config
+from recipes.config import ConfigError, PretrainConfig, validate_against_model, validate_for_world
+from recipes.model import detect_attn_implementation, llama_config
+from recipes.plan import format_plan, live_hardware, make_plan
+from recipes.resume import run_identity
+from recipes.train_data import open_train_source
+
+logger = logging.getLogger("pretrain")
+
+
+def setup_distributed(config: PretrainConfig):
+    """The Accelerator, with the DeepSpeed JSON's recipe-owned values filled from the recipe."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DeepSpeedPlugin
+
+    if not torch.cuda.is_available():
+        # Without CUDA accelerate finds no backend and every rank believes it is rank 0 of 1,
+        # while DeepSpeed runs 2: sharding, logging and saving would silently go wrong.
+        PartialState(backend="gloo")
+    ds_path = deepspeed_config.launched_config_path()
+    if ds_path is None:
+        raise ConfigError(
+            "no DeepSpeed config: launch with `accelerate launch --config_file accelerate_configs/<file>.yaml "
+            "recipes/pretrain.py --config ...` (the accelerate config names the ZeRO-3 JSON)"
+        )
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_for_world(config, world_size)
+    ds_config = deepspeed_config.resolve_deepspeed_config(
+        deepspeed_config.load_deepspeed_json(ds_path), config, world_size
+    )
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=deepspeed_config.zero3_init_requested())
+    accelerator = Accelerator(
+        deepspeed_plugin=plugin,
+        mixed_precision="bf16" if config.bf16 else "fp16" if config.fp16 else "no",
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+    )
+    if accelerator.num_processes != world_size:
+        raise RuntimeError(f"accelerate sees {accelerator.num_processes} processes but WORLD_SIZE is {world_size}")
+    return accelerator, ds_config
+
+
+def configure_logging(accelerator) -> None:
+    level = logging.INFO if accelerator.is_main_process else logging.WARNING
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level, force=True)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices; eval.in_loop logs the results
+    # DeepSpeed calls torch's deprecated collective names on every step; one warning per call floods the log.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+
+
+@dataclass
+class RunInputs:
+    """What preflight checked and the rest of the run builds on."""
+
+    tokenizer: object
+    model_config: object  # transformers.LlamaConfig
+    attn_implementation: str
+    train_source: PackedRows | list[str]
+    validation_sources: list[str]
+    benchmarks: BenchmarkSettings | None
+    identity: dict  # what defines the run: a checkpoint of another run is not resumed (recipes.resume)
+
+
+def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
+    """Everything that can be wrong with the inputs, checked before the model costs anything."""
+    try:
+        tokenizer = load_tokenizer(config.tokenizer_name_or_path, "tokenizer_name_or_path")
+    except TokenizerLoadError as error:
+        raise ConfigError(str(error)) from None
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"tokenizer {config.tokenizer_name_or_path} has no EOS token; packing needs one")
+    train_source = open_train_source(config, tokenizer)
+    validation_sources = resolve_sources(config.validation_files, "validation_files")
+    model_config = llama_config(config, len(tokenizer))
+    validate_against_model(
+        config,
+        vocab_size=model_config.vocab_size,
+        tokenizer_size=len(tokenizer),
+        max_positions=model_config.max_position_embeddings,
+    )
+    benchmarks = benchmark_settings(config)
+    if benchmarks:
+        benchmarks.check()  # data directories load, before the model costs anything
+        logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
+    attn_implementation, reason = detect_attn_implementation(config.attn_implementation)
+    logger.info("attention: %s (%s)", attn_implementation, reason)
+    plan = make_plan(
+        config, live_hardware(config, accelerator.num_processes), ds_config, vocab_size=model_config.vocab_size
+    )
+    logger.info("preflight %s", format_plan(plan, config))
+    if not plan.fits and config.preflight_strict:
+        raise ConfigError(
+            "the plan says this run does not fit:\n  "
+            + "\n  ".join(plan.verdicts)
+            + "\nChange the recipe or DeepSpeed config, or set preflight_strict: false to try anyway."
+        )
+    if config.prometheus_port is not None:
+        on_main_process(lambda: check_port_free(config.prometheus_port), catch=(ConfigError,))
+    identity = run_identity(config, model_config, tokenizer, accelerator.num_processes)
+    return RunInputs(
+        tokenizer, model_config, attn_implementation, train_source, validation_sources, benchmarks, identity
+    )
+
+
+def check_port_free(port: int) -> None:
+    """The metrics port can be bound here (the main process serves it): a busy port fails now, not after the
+    checkpoint of a 70B model is restored."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as error:
+            message = f"prometheus_port {port} cannot be served here ({error.strerror}): choose a free port"
+            raise ConfigError(message) from None
+
+
+def validation_rows(config: PretrainConfig, inputs: RunInputs):
+    """Held-out rows, identical on every rank; None without validation_files."""
+    if not inputs.validation_sources:
+        return None
+    from recipes.validation import load_validation_rows
+
+    rows = load_validation_rows(
+        inputs.validation_sources, inputs.tokenizer, config.max_seq_length, config.text_field, config.max_eval_samples
+    )
+    logger.info("validation: %d rows of %d tokens", len(rows), config.max_seq_length)
+    return rows
+
+
+def benchmark_settings(config: PretrainConfig) -> BenchmarkSettings | None:
+    if not config.eval_tasks:
+        return None
+    return BenchmarkSettings(
+        tasks=list(config.eval_tasks),
+        mmlu_dir=config.mmlu_dir,
+        gsm8k_dir=config.gsm8k_dir,
+        limit=config.eval_limit,
+        num_fewshot=config.eval_num_fewshot,
+        batch_size=config.per_device_eval_batch_size,
+        max_gen_toks=config.eval_max_gen_toks,
+    )
+
+
+@dataclass
+class Launch:
+    """A launch that passed every check: what `recipes.trainer.build_trainer` builds on."""
+
+    accelerator: object
+    ds_config: dict
+    lock: object  # common.lock.DirectoryLock on the main process, else None
+    inputs: RunInputs
+    data: object  # recipes.train_data.TrainData
+    resume_from: Path | None
+    signals: object  # recipes.run_state.StopSignals
+
+    @property
+    def universal(self) -> bool:
+        """Resuming a checkpoint of another world size, through DeepSpeed's universal format."""
+        manifest = checkpointing.read_manifest(self.resume_from) if self.resume_from else None
+        return manifest is not None and manifest["world_size"] != self.accelerator.num_processes
+
+
+def check_launch(config: PretrainConfig) -> Launch:
+    """Distributed setup and every check, before the model is built; the lock is the first thing written, the
+    run's config files the last. A collective."""
+    from accelerate.utils import set_seed
+
+    from recipes import output_dir, resume
+    from recipes.run_state import StopSignals
+    from recipes.train_data import TrainData
+
+    accelerator, ds_config = setup_distributed(config)
+    configure_logging(accelerator)
+    lock = output_dir.lock(config)  # one writer per directory, taken before anything is written
+    if lock is not None:
+        atexit.register(lock.release)  # at any exit; after a kill, the dead holder's lock is taken over
+    inputs = preflight(config, accelerator, ds_config)
+    set_seed(config.seed)
+    world = accelerator.num_processes
+    data = TrainData(inputs.train_source, config, inputs.tokenizer, accelerator.process_index, world)
+    atexit.register(data.close)  # after multiprocessing's own exit handler, so it runs first
+    resume_from = resume.choose_checkpoint(config, accelerator)
+    if resume_from:
+        resume.check_resumable(resume_from, inputs.identity, inputs.tokenizer, data, world)
+    # on the main process, and an error there stops every rank
+    on_main_process(lambda: output_dir.prepare(config, ds_config), catch=(ConfigError,))
+    signals = StopSignals()  # from here a preemption signal waits for the next step boundary
+    return Launch(accelerator, ds_config, lock, inputs, data, resume_from, signals)

@@ -1,0 +1,236 @@
+"""The training batches and the one owner of the data position.
+
+`TrainData` hands the Trainer `gradient_accumulation_steps` micro-batches per optimizer step, counts what it
+has consumed, and saves and restores that position (`state_dict` / `load_state_dict`) like any other stateful
+part of the run. It also owns the rules for resuming on another world size or dataloader worker count:
+
+- a preprocessed directory is read by a global row index (`data_prep.packed_dataset`), so its position is one
+  number that means the same on any number of processes, as long as the global batch stays the same;
+- a raw-text stream is sharded per (rank, dataloader worker), so its position is per rank and holds only for
+  the same world size and worker count; restoring it reads past the consumed rows (the stream is deterministic).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from common.process import die_with_parent
+from data_prep.format import is_preprocessed
+from data_prep.packed_dataset import GlobalBatchSampler, PackedRows
+from data_prep.readers import resolve_sources
+from data_prep.stream import PackedTextStream
+from recipes.config import ConfigError, PretrainConfig
+
+logger = logging.getLogger("pretrain")
+
+
+class DataKind(enum.Enum):
+    PREPROCESSED = "preprocessed"  # global row index: resumable on any world size with the same global batch
+    STREAM = "stream"  # raw files tokenized on the fly: position per rank and dataloader worker
+
+
+class DataPositionError(RuntimeError):
+    """A saved data position that cannot be continued here; the message says why and what to do."""
+
+
+def open_train_source(config: PretrainConfig, tokenizer) -> PackedRows | list[str]:
+    """A preprocessed directory (checked against this tokenizer and row length), or raw files."""
+    if len(config.train_files) == 1 and is_preprocessed(config.train_files[0]):
+        rows = PackedRows(config.train_files[0])
+        rows.check_matches(tokenizer, config.tokenizer_name_or_path, config.max_seq_length)
+        logger.info("train data: %s, %d preprocessed rows", config.train_files[0], len(rows))
+        return rows
+    for entry in config.train_files:
+        if Path(entry).is_dir():
+            raise ConfigError(
+                f"train_files: {entry} is a directory without manifest.json; a preprocessing output is complete "
+                "only once its manifest is written (run python -m data_prep.preprocess again to finish it), "
+                "and it must be the only entry of train_files"
+            )
+    return resolve_sources(config.train_files, "train_files")
+
+
+# Tests only: a dataloader worker stops producing after this many rows, to show that a stall ends the run.
+STALL_AFTER_ROWS_ENV = "PRETRAIN_TEST_STALL_WORKER_AFTER_ROWS"
+
+
+class DataStallError(RuntimeError):
+    """The dataloader workers produced no batch within hang_timeout_s."""
+
+
+def init_worker(worker_id: int) -> None:
+    """Dataloader workers die with their rank, and leave preemption signals to it: Slurm signals every process
+    of the job, and a worker dying of SIGTERM would kill the rank before it can save. Since multiprocessing stops
+    workers with SIGTERM at exit, the rank kills them itself (`TrainData.close`)."""
+    die_with_parent()
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class _StallAfter(IterableDataset):
+    def __init__(self, inner: IterableDataset, rows: int):
+        self.inner, self.rows = inner, rows
+
+    def __iter__(self):
+        for index, row in enumerate(self.inner):
+            if index == self.rows:
+                time.sleep(10**6)
+            yield row
+
+
+def build_loader(source: PackedRows | list[str], config: PretrainConfig, tokenizer, rank: int, world: int):
+    pin_memory = config.dataloader_pin_memory and torch.cuda.is_available()
+    workers = config.dataloader_num_workers
+    timeout_s = config.hang_timeout_s if workers and config.hang_timeout_s else 0
+    common = dict(num_workers=workers, pin_memory=pin_memory, worker_init_fn=init_worker, timeout=timeout_s)
+    if isinstance(source, PackedRows):
+        micro, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
+        sampler = GlobalBatchSampler(len(source), micro, accumulation, world, rank)
+        return DataLoader(source, batch_sampler=sampler, **common)
+    stream = PackedTextStream(
+        source, tokenizer, config.max_seq_length, rank=rank, world_size=world, text_field=config.text_field
+    )
+    if os.environ.get(STALL_AFTER_ROWS_ENV):
+        stream = _StallAfter(stream, int(os.environ[STALL_AFTER_ROWS_ENV]))
+    # Not passed to accelerator.prepare: the stream shards by rank itself, and accelerate's
+    # dispatching would shard it a second time.
+    return DataLoader(stream, batch_size=config.per_device_train_batch_size, drop_last=True, **common)
+
+
+class TrainData:
+    """Micro-batches over `num_train_epochs` passes, and the position in them (epoch, rows this rank consumed in
+    it). Every method that gathers is a collective: call it on every rank."""
+
+    def __init__(self, source: PackedRows | list[str], config: PretrainConfig, tokenizer, rank: int, world: int):
+        self.kind = DataKind.PREPROCESSED if isinstance(source, PackedRows) else DataKind.STREAM
+        self.rank, self.world = rank, world
+        self.num_workers = config.dataloader_num_workers
+        self.num_epochs = config.num_train_epochs
+        self.loader = build_loader(source, config, tokenizer, rank, world)
+        sampler = getattr(self.loader, "batch_sampler", None)
+        if isinstance(sampler, GlobalBatchSampler) and sampler.steps_per_epoch == 0:
+            raise ConfigError(
+                f"train_files: {len(source)} preprocessed rows are fewer than one global batch of "
+                f"{config.resolved_global_batch_size(world)} rows: add data or lower the batch"
+            )
+        self.epoch = 0
+        self.rows_consumed = 0  # in the current epoch, by this rank
+        # Started now, before the model is built: creating the iterator draws the workers' base seed from
+        # torch's generator, so when it happens is part of what makes two runs identical.
+        self._iterator = iter(self.loader)
+
+    def take(self, count: int) -> list[torch.Tensor] | None:
+        """`count` micro-batches, or None when this rank has no more data."""
+        batches = []
+        while len(batches) < count:
+            try:
+                batch = next(self._iterator)["input_ids"]
+            except RuntimeError as error:
+                if "DataLoader timed out" not in str(error):
+                    raise
+                raise DataStallError(
+                    f"rank {self.rank}: the dataloader workers produced no batch in {self.loader.timeout:.0f} s "
+                    "(hang_timeout_s); the data source is stuck (a hung filesystem?)"
+                ) from None
+            except StopIteration:
+                if self.epoch + 1 >= self.num_epochs:
+                    return None
+                self.epoch += 1
+                self.rows_consumed = 0
+                self._iterator = iter(self.loader)
+                continue
+            self.rows_consumed += len(batch)
+            batches.append(batch)
+        return batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of every rank (a collective: gathers from all ranks). Preprocessed rows are addressed
+        globally, and every rank has consumed the same count, so `global_rows_consumed` alone places them."""
+        from accelerate.utils import gather_object
+
+        per_rank = gather_object([{"epoch": self.epoch, "rows_consumed": self.rows_consumed}])
+        return {
+            "kind": self.kind.value,
+            "per_rank": per_rank,
+            "global_rows_consumed": per_rank[0]["rows_consumed"] * self.world,
+            "world_size": self.world,
+            "dataloader_num_workers": self.num_workers,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where `state` was saved: the next batch is the one an uninterrupted run draws."""
+        if state.get("kind") == DataKind.PREPROCESSED.value:
+            self._seek(state["per_rank"][0]["epoch"], state["global_rows_consumed"] // self.world)
+        else:
+            mine = state["per_rank"][self.rank]
+            self._read_past(mine["epoch"], mine["rows_consumed"])
+
+    def resume_problem(self, state: dict[str, Any]) -> str | None:
+        """Why a position saved by another launch cannot be continued by this one (None: it can). A preprocessed
+        position holds on any world size with the same global batch, which the run's identity already pins."""
+        if state.get("kind") == DataKind.PREPROCESSED.value:
+            return None
+        saved_world, workers = state["world_size"], state["dataloader_num_workers"]
+        if saved_world != self.world:
+            return (
+                f"it was written by {saved_world} processes, this launch has {self.world}. The raw-text data "
+                f"position is per rank and dataloader worker, so it cannot move to another world size: relaunch "
+                f"on {saved_world} processes, or train from a preprocessed directory (python -m "
+                "data_prep.preprocess), whose position is a global row index"
+            )
+        if workers != self.num_workers:
+            return (
+                f"it was written with dataloader_num_workers={workers}; the data position depends on it, so "
+                f"resume with the same value (this launch: {self.num_workers})"
+            )
+        return None
+
+    def _seek(self, epoch: int, rows_consumed: int) -> None:
+        """A preprocessed directory: the sampler starts at the next micro-batch."""
+        sampler: GlobalBatchSampler = self.loader.batch_sampler
+        if rows_consumed % sampler.micro:
+            raise DataPositionError(f"data position {rows_consumed} is not a whole number of micro-batches")
+        self.epoch = epoch
+        sampler.start_micro_batch = rows_consumed // sampler.micro
+        self._iterator = iter(self.loader)
+        sampler.start_micro_batch = 0  # the next epoch starts at its beginning
+        self.rows_consumed = rows_consumed
+
+    def _read_past(self, epoch: int, rows_consumed: int) -> None:
+        """A raw-text stream is deterministic: reading past the consumed rows reproduces the exact next batch,
+        at a cost that grows with the position."""
+        self.epoch, self.rows_consumed = epoch, 0
+        self._iterator = iter(self.loader)
+        while self.rows_consumed < rows_consumed:
+            try:
+                self.rows_consumed += len(next(self._iterator)["input_ids"])
+            except StopIteration:
+                raise DataPositionError(
+                    f"the data ended after {self.rows_consumed} rows while restoring position {rows_consumed}: "
+                    "train_files changed since the checkpoint was written"
+                ) from None
+
+    def close(self) -> None:
+        """Stop the dataloader workers (they ignore SIGTERM, so multiprocessing's exit handler cannot)."""
+        iterator, self._iterator = self._iterator, None
+        if getattr(iterator, "_worker_pids_set", False):
+            # torch watches its workers through SIGCHLD and would raise in this process when they die
+            from torch.utils.data._utils import signal_handling
+
+            signal_handling._remove_worker_pids(id(iterator))
+            iterator._worker_pids_set = False
+        workers = getattr(iterator, "_workers", [])
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+        for worker in workers:
+            worker.join(timeout=10)

@@ -1,0 +1,234 @@
+"""The training loop: a `Trainer` that owns the accelerator, model, optimizer, run state and callbacks.
+
+`fit()` is the loop, `train_step()` one optimizer step. Everything that happens at intervals (metric logging,
+the loss-spike rule, benchmarks, validation and early stopping, checkpoints, the progress bar) is a callback
+(`recipes.callbacks`), called on every rank at the same point of every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.collectives import any_rank, ranks_where
+from data_prep.packing import document_position_ids
+from recipes.callbacks import Callback, Control
+from recipes.checkpointing import Checkpointer, step_of
+from recipes.config import ConfigError, PretrainConfig
+from recipes.metrics import MetricsWriter
+from recipes.model import replay_cpu_adam_bias_correction
+from recipes.run_state import RunState, Stop, StopReason, StopSignals, TrainingFault
+from recipes.schedule import lr_at_step
+from recipes.train_data import TrainData
+
+if TYPE_CHECKING:
+    from recipes.startup import Launch
+
+logger = logging.getLogger("pretrain")
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced on this rank."""
+
+    losses: list[torch.Tensor]  # one detached loss per micro-batch
+    lr: float
+
+
+class StepWindow:
+    """Sums since the last metric line, on this rank: loss, micro-batches, tokens, and step seconds (evaluation
+    and saving excluded). `MetricLogger` reduces them over ranks and resets them."""
+
+    def __init__(self, device):
+        self.totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, micro-batches, tokens
+        self.seconds = 0.0
+
+    def add(self, loss: torch.Tensor, num_tokens: int) -> None:
+        self.totals[0] += loss.detach().double()
+        self.totals[1] += 1
+        self.totals[2] += num_tokens
+
+    def reset(self) -> None:
+        self.totals.zero_()
+        self.seconds = 0.0
+
+
+class Trainer:
+    """Runs optimizer steps on every rank in lockstep; see the module docstring."""
+
+    def __init__(self, config: PretrainConfig, accelerator, model, optimizer, *, data: TrainData,
+                 checkpointer: Checkpointer, metrics: MetricsWriter, signals: StopSignals, state: RunState,
+                 callbacks: list[Callback], eos_id: int, num_parameters: int):  # fmt: skip
+        self.config, self.accelerator, self.model, self.optimizer = config, accelerator, model, optimizer
+        self.data, self.checkpointer, self.metrics, self.signals = data, checkpointer, metrics, signals
+        self.state, self.callbacks, self.eos_id = state, list(callbacks), eos_id
+        self.num_parameters = num_parameters
+        for callback in self.callbacks:
+            if not isinstance(callback, Callback):
+                raise TypeError(f"{callback!r} is not a recipes.callbacks.Callback")
+        world = accelerator.num_processes
+        self.total_steps = config.total_steps(world)
+        self.tokens_per_step = config.resolved_global_batch_size(world) * config.max_seq_length
+        self.window = StepWindow(accelerator.device)
+
+    @property
+    def is_last_step(self) -> bool:
+        return self.state.step == self.total_steps
+
+    def due(self, interval: int) -> bool:
+        """Whether something that runs every `interval` steps (and at the last step) runs now."""
+        return self.state.step % interval == 0 or self.is_last_step
+
+    def fit(self) -> Stop:
+        """Optimizer steps until max_steps, the end of the data, a stop signal or a callback's stop. Every rank
+        runs the same steps and the same collectives."""
+        self.model.train()
+        for callback in self.callbacks:
+            callback.on_train_start(self)
+        stop: Stop | None = None
+        while stop is None:
+            if self.state.step >= self.total_steps:
+                stop = Stop(StopReason.MAX_STEPS)
+                break
+            micro_batches = self.data.take(self.config.gradient_accumulation_steps)
+            # Ranks hold different shares of the data and receive signals at different moments: one
+            # 2-element all-reduce per optimizer step makes every rank take the same decision.
+            exhausted, signalled = any_rank(
+                [micro_batches is None, self.signals.received is not None], self.accelerator.device
+            )
+            if signalled:
+                self.save()
+                stop = Stop(StopReason.STOP_SIGNAL)
+            elif exhausted:
+                stop = Stop(StopReason.END_OF_DATA)
+            else:
+                stop = self._step_end(self.train_step(micro_batches))
+        for callback in self.callbacks:
+            callback.on_train_end(self, stop)
+        if stop.reason is StopReason.END_OF_DATA and self.state.step == 0:
+            raise ConfigError(
+                f"train_files: the data ended before the first optimizer step, which takes {self.tokens_per_step:,} "
+                "tokens: add data, or lower the batch or max_seq_length"
+            )
+        return stop
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
+        """One optimizer step: its learning rate, a forward and backward per micro-batch, DeepSpeed's optimizer
+        step on the last. A non-finite loss on any rank stops every rank before the backward that would step."""
+        started = time.perf_counter()
+        lr = self.lr_for(self.state.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        losses = []
+        for index, input_ids in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            # DeepSpeed scales the loss by 1/accumulation and steps the optimizer on the boundary.
+            self.accelerator.sync_gradients = last
+            input_ids = input_ids.to(self.accelerator.device, non_blocking=True)
+            position_ids = document_position_ids(input_ids, self.eos_id) if self.config.document_masking else None
+            loss = self.model(input_ids=input_ids, labels=input_ids, position_ids=position_ids).loss
+            losses.append(loss.detach())
+            if last:
+                self._stop_on_nonfinite_loss(losses)
+            self.accelerator.backward(loss)
+            self.window.add(loss, input_ids.numel())
+        self.state.step += 1
+        self.state.num_tokens += self.tokens_per_step
+        self.window.seconds += time.perf_counter() - started
+        grad_norm = self.model.get_global_grad_norm()
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            # The same norm on every rank, so every rank raises here. DeepSpeed skips such an update in
+            # its overflow check, but a run whose gradients blew up needs a person, not another step.
+            raise TrainingFault(
+                f"non-finite gradient norm at step {self.state.step}: stopping without saving. "
+                f"Last good checkpoint: {self.checkpointer.last or 'none'}"
+            )
+        return StepResult(losses=losses, lr=lr)
+
+    def lr_for(self, step: int) -> float:
+        """The learning rate of the optimizer step that has `step` completed steps before it."""
+        return lr_at_step(
+            step,
+            learning_rate=self.config.learning_rate,
+            warmup_steps=self.config.warmup_steps,
+            total_steps=self.total_steps,
+            lr_scheduler_type=self.config.lr_scheduler_type,
+            min_lr=float(self.config.lr_scheduler_kwargs.get("min_lr", 0.0)),
+        )
+
+    def save(self) -> Path:
+        """Checkpoint this step, unless the newest checkpoint already is this step (a collective)."""
+        last = self.checkpointer.last
+        if last is not None and step_of(last) == self.state.step:
+            return last
+        path = self.checkpointer.save(self.state.step, protected=self.state.best_checkpoint)
+        for callback in self.callbacks:
+            callback.on_save(self, path)
+        return path
+
+    def load_checkpoint(self, path: Path, skip: tuple[str, ...] = ()) -> None:
+        """Model, optimizer, RNG states and the stateful parts not in `skip` from `path` (a collective), and
+        `metrics.jsonl` cut back to its step. Resume and loss-spike rollback both come through here."""
+        same_world = self.checkpointer.load(path, skip)
+        replay_cpu_adam_bias_correction(self.optimizer)
+        if not same_world:
+            from accelerate.utils import set_seed
+
+            set_seed(self.config.seed + self.state.step)
+        self.metrics.truncate(after_step=self.state.step)
+        self.window.reset()
+
+    def _step_end(self, result: StepResult) -> Stop | None:
+        control = Control()
+        for callback in self.callbacks:
+            callback.on_step_end(self, result, control)
+            if control.step_undone:  # a rollback: later callbacks must not log, evaluate or save this step
+                break
+        return control.stop
+
+    def _stop_on_nonfinite_loss(self, losses: list[torch.Tensor]) -> None:
+        bad_ranks = ranks_where(not bool(torch.isfinite(torch.stack(losses)).all()), self.accelerator.device)
+        if bad_ranks:
+            raise TrainingFault(
+                f"non-finite loss at step {self.state.step + 1} on rank(s) {bad_ranks}; the optimizer did not step. "
+                f"Last good checkpoint: {self.checkpointer.last or 'none'}"
+            )
+
+
+def build_trainer(config: PretrainConfig, launch: Launch) -> Trainer:
+    """The model, the Trainer with its callbacks and checkpointer, restored from the chosen checkpoint."""
+    from recipes import resume, startup
+    from recipes.callbacks import callbacks_for
+    from recipes.model import build_engine
+    from recipes.plan import training_flops_per_token
+
+    accelerator, inputs, run_dir = launch.accelerator, launch.inputs, Path(config.output_dir)
+    validation_rows = startup.validation_rows(config, inputs)
+    model, optimizer, num_params = build_engine(
+        config, inputs.model_config, inputs.attn_implementation, launch.ds_config, accelerator, launch.universal
+    )
+    state = RunState()
+    stateful = {"run_state": state, "data_position": launch.data}
+    run_files = resume.run_files(config, inputs.identity)  # what every checkpoint records about the run
+    checkpointer = Checkpointer(accelerator, model, run_dir, config.save_total_limit, run_files, stateful)
+    shape, eos_id = inputs.model_config, inputs.tokenizer.eos_token_id
+    flops = training_flops_per_token(num_params, shape.num_hidden_layers, config.max_seq_length, shape.hidden_size)
+    callbacks = callbacks_for(
+        config, flops_per_token=flops, validation_rows=validation_rows, eos_id=eos_id,
+        benchmarks=inputs.benchmarks, tokenizer=inputs.tokenizer,
+    )  # fmt: skip
+    trainer = Trainer(
+        config, accelerator, model, optimizer, data=launch.data, checkpointer=checkpointer, signals=launch.signals,
+        metrics=MetricsWriter(run_dir, accelerator.is_main_process, config.prometheus_port), state=state,
+        callbacks=callbacks, eos_id=eos_id, num_parameters=num_params,
+    )  # fmt: skip
+    if launch.resume_from:
+        trainer.load_checkpoint(launch.resume_from)
+        logger.info("resume: continuing from %s at step %d", launch.resume_from, state.step)
+    return trainer

@@ -1,0 +1,274 @@
+"""Bad input never changes what is trained: damaged archives, a byte-order mark, a huge document, a full disk,
+and kills at any moment of a preprocessing. Each test failed before the fix it guards."""
+
+import gzip
+import json
+import random
+import resource
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from data_prep.packing import split_text
+from data_prep.preprocess import PreprocessError, main, preprocess
+from data_prep.readers import CorruptFileError, iter_texts
+from tests.conftest import LAUNCH_ENV, REPO, kill_whole_tree
+
+SEQ = 64
+
+
+def corpus_lines(corpus, count=400) -> bytes:
+    texts = list(iter_texts(corpus["train"]))[:count]
+    return "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_a_truncated_archive_is_an_error_naming_the_file_and_offset_never_a_skip_count(tmp_path, corpus, suffix):
+    data = corpus_lines(corpus)
+    packed = gzip.compress(data) if suffix == ".gz" else zstandard.ZstdCompressor().compress(data)
+    path = tmp_path / f"corpus.jsonl{suffix}"
+    path.write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(CorruptFileError, match="truncated or corrupt") as error:
+        list(iter_texts(path))
+    assert str(path) in str(error.value) and "compressed byte" in str(error.value)
+    with pytest.raises(PreprocessError, match="--skip-corrupt-files"):
+        preprocess(str(corpus["tokenizer"]), [str(path)], str(tmp_path / "out"), SEQ, 1)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_skip_corrupt_files_goes_on_and_names_the_file_in_the_manifest(tmp_path, corpus):
+    data = corpus_lines(corpus)
+    good, bad = tmp_path / "a.jsonl", tmp_path / "b.jsonl.zst"
+    good.write_bytes(data)
+    packed = zstandard.ZstdCompressor().compress(data)
+    bad.write_bytes(packed[: len(packed) // 2])
+    arguments = ["--tokenizer", str(corpus["tokenizer"]), "--input", str(good), str(bad), "--output",
+                 str(tmp_path / "out"), "--seq-len", str(SEQ), "--num-workers", "1"]  # fmt: skip
+    code = main([*arguments, "--skip-corrupt-files"])
+    assert code == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["skipped"]["corrupt_file"] == 1 and str(bad) in manifest["skipped_examples"]["corrupt_file"][0]
+
+
+def test_a_corrupt_parquet_row_group_is_named(tmp_path, corpus):
+    path = tmp_path / "corpus.parquet"
+    pq.write_table(pa.table({"text": list(iter_texts(corpus["train"]))[:200]}), path, row_group_size=50)
+    raw = bytearray(path.read_bytes())
+    middle = len(raw) // 2
+    raw[middle : middle + 2000] = bytes(2000)  # zeros over the middle row groups' pages
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptFileError, match=r"row group \d+ \(rows \d+-\d+\) cannot be read"):
+        list(iter_texts(path))
+
+
+def test_a_byte_order_mark_does_not_cost_the_first_record(tmp_path, corpus):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + corpus_lines(corpus, 5).replace(b"\n", b"\r\n"))
+    manifest = preprocess(str(corpus["tokenizer"]), [str(path)], str(tmp_path / "out"), 16, 1)
+    assert manifest["num_documents"] == 5 and manifest["skipped"]["malformed_json"] == 0
+
+
+def test_split_text_is_exact_and_cuts_before_whitespace():
+    text = "alpha beta " * 100 + "x" * 500
+    pieces = split_text(text, 120)
+    assert "".join(pieces) == text and all(len(p) <= 120 for p in pieces)
+    assert all(p[0] == " " for p in pieces[1:5]), "cuts fall just before a space, which starts the next word"
+    assert split_text("short", 120) == ["short"]
+
+
+def test_a_split_document_tokenizes_as_the_whole_one_and_counts_once(tmp_path, corpus):
+    texts = list(iter_texts(corpus["train"]))[:20]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    whole = preprocess(str(corpus["tokenizer"]), [str(path)], str(tmp_path / "whole"), SEQ, 1)
+    pieces = preprocess(str(corpus["tokenizer"]), [str(path)], str(tmp_path / "pieces"), SEQ, 1,
+                        max_document_chars=500)  # fmt: skip
+    assert pieces["num_documents"] == whole["num_documents"] == 20
+    assert [s["sha256"] for s in pieces["shards"]] == [s["sha256"] for s in whole["shards"]]
+
+
+def test_a_50_mb_document_is_tokenized_in_bounded_memory(tmp_path, corpus):
+    words = [w for t in list(iter_texts(corpus["train"]))[:50] for w in t.split()]
+    rng = random.Random(0)
+    chunks, size = [], 0
+    while size < 50_000_000:
+        chunk = " ".join(rng.choice(words) for _ in range(2000))
+        chunks.append(chunk)
+        size += len(chunk) + 1
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"text": " ".join(chunks)}) + "\n")
+    command = [sys.executable, "-m", "data_prep.preprocess", "--tokenizer", str(corpus["tokenizer"]), "--input",
+               str(path), "--output", str(tmp_path / "out"), "--seq-len", "2048", "--num-workers", "1"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, env=LAUNCH_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    peak_mb = [0.0]
+
+    def watch():  # the whole tree's resident memory, sampled from outside: what the node would see
+        while process.poll() is None:
+            try:
+                tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+                peak_mb[0] = max(peak_mb[0], sum(p.memory_info().rss for p in tree) / 1e6)
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    _, stderr = process.communicate(timeout=900)
+    watcher.join()
+    assert process.returncode == 0, stderr.decode()[-3000:]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    print(
+        f"50 MB document: tree peak {peak_mb[0]:.0f} MB; manifest main {manifest['throughput']['peak_rss_mb_main']:.0f}"
+        f" MB, worker {manifest['throughput']['peak_rss_mb_worker']:.0f} MB"
+    )
+    assert manifest["num_documents"] == 1
+    assert peak_mb[0] < 1000, "a 50 MB document took 7.1 GB when tokenized whole"
+    # measured, not estimated: the worker's own peak covers what it really used (tokenizer memory included)
+    assert 100 < manifest["throughput"]["peak_rss_mb_worker"] < 1000
+    assert manifest["throughput"]["peak_rss_mb_main"] < 1000
+
+
+def paragraphs_corpus(corpus, tmp_path):
+    paragraphs = [p for text in iter_texts(corpus["train"]) for p in text.split("\n\n") if p.strip()]
+    source = tmp_path / "paragraphs.jsonl"
+    source.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    return source
+
+
+def preprocess_command(corpus, source, out, workers=2, rows_per_shard=150):
+    return [sys.executable, "-m", "data_prep.preprocess", "--tokenizer", str(corpus["tokenizer"]), "--input",
+            str(source), "--output", str(out), "--seq-len", str(SEQ), "--num-workers", str(workers),
+            "--rows-per-shard", str(rows_per_shard)]  # fmt: skip
+
+
+def kill_repeatedly(corpus, source, out, kills: int, seed: int) -> int:
+    """Start the same command again and again, killing it (main process and tokenizer workers) after a random
+    0.3-2.5 s, `kills` times, then let it finish. Returns the kills that landed before the run finished."""
+    rng = random.Random(seed)
+    landed = 0
+    for _ in range(kills):
+        process = subprocess.Popen(
+            preprocess_command(corpus, source, out), cwd=REPO, env=LAUNCH_ENV, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        time.sleep(rng.uniform(0.3, 2.5))
+        if process.poll() is not None:
+            break
+        kill_whole_tree(process.pid)
+        process.wait()
+        landed += 1
+    finished = subprocess.run(preprocess_command(corpus, source, out), cwd=REPO, env=LAUNCH_ENV, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return landed
+
+
+def assert_same_output(manifest, reference):
+    for key in (
+        "num_documents",
+        "num_tokens",
+        "num_document_tokens",
+        "num_sequences",
+        "skipped",
+        "dropped_tail_tokens",
+    ):
+        assert manifest[key] == reference[key], key
+    # byte-identical shards: the same rows in the same row groups
+    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in reference["shards"]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    root = tmp_path_factory.mktemp("kills")
+    source = paragraphs_corpus(corpus, root)
+    manifest = preprocess(str(corpus["tokenizer"]), [str(source)], str(root / "ref"), SEQ, 2, rows_per_shard=150)
+    return source, manifest
+
+
+def test_kills_at_random_moments_never_change_the_output(tmp_path, corpus, reference):
+    source, expected = reference
+    landed = kill_repeatedly(corpus, source, tmp_path / "killed", kills=12, seed=1)
+    print(f"{landed} kills landed before the run finished")
+    assert landed >= 5, "the kills must land while the run is working"
+    assert_same_output(json.loads((tmp_path / "killed" / "manifest.json").read_text()), expected)
+
+
+@pytest.mark.slow
+def test_many_kills_never_change_the_output(tmp_path, corpus, reference):
+    source, expected = reference
+    for seed in range(3):
+        out = tmp_path / f"killed-{seed}"
+        landed = kill_repeatedly(corpus, source, out, kills=30, seed=100 + seed)
+        print(f"seed {seed}: {landed} kills landed")
+        assert_same_output(json.loads((out / "manifest.json").read_text()), expected)
+
+
+def test_a_full_disk_is_one_line_and_the_same_command_finishes_after_it(tmp_path, corpus, reference):
+    source, expected = reference
+    out = tmp_path / "out"
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # EFBIG once a shard grows past 4 kB, as ENOSPC
+
+    full = subprocess.run(preprocess_command(corpus, source, out), cwd=REPO, env=LAUNCH_ENV, capture_output=True,
+                          text=True, timeout=600, preexec_fn=limit_file_size)  # fmt: skip
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert full.stderr.startswith("error: --output") and "GB free" in full.stderr and "Traceback" not in full.stderr
+    assert len(full.stderr.strip().splitlines()) == 1
+    again = subprocess.run(preprocess_command(corpus, source, out), cwd=REPO, env=LAUNCH_ENV, capture_output=True,
+                           text=True, timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert_same_output(json.loads((out / "manifest.json").read_text()), expected)
+
+
+@pytest.mark.parametrize("manifest", ["{}", "[]", '{"seq_len": 64, "tokenizer": {}, "shards": [{}]}', "not json"])
+def test_a_preprocessing_manifest_of_the_wrong_shape_is_named(tmp_path, manifest):
+    from data_prep.packed_dataset import PackedRows
+
+    (tmp_path / "manifest.json").write_text(manifest)
+    with pytest.raises(ValueError, match=r"manifest.json: not (a preprocessing manifest|valid JSON)"):
+        PackedRows(tmp_path)
+
+
+def test_a_tokenizer_directory_without_tokenizer_files_is_named(tmp_path, capsys):
+    from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+    from eval.run import main as eval_main
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(TokenizerLoadError, match="no such directory"):
+        load_tokenizer(str(tmp_path / "nowhere"), "tokenizer_name_or_path")
+    with pytest.raises(TokenizerLoadError, match="holds no tokenizer files"):
+        load_tokenizer(str(tmp_path / "model"), "tokenizer_name_or_path")
+    from eval import fixtures
+
+    data = fixtures.write(tmp_path / "eval_data")
+    code = eval_main(["--model", str(tmp_path / "model"), "--tasks", "mmlu", "--mmlu-dir", str(data["mmlu_csv"]),
+                      "--output", str(tmp_path / "r.json")])  # fmt: skip
+    error = capsys.readouterr().err
+    assert code == 2 and "holds no tokenizer files" in error and "sentencepiece" not in error
+
+
+def test_the_training_stream_tokenizes_a_long_document_in_pieces_to_the_same_ids(corpus, monkeypatch):
+    from transformers import AutoTokenizer
+
+    import data_prep.stream as stream
+
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    texts = list(iter_texts(corpus["train"]))[:6]
+    whole = list(stream.tokenize_in_batches(iter(texts), tokenizer))
+    calls = []
+    monkeypatch.setattr(stream, "MAX_DOCUMENT_CHARS", 300)
+    original = stream.encode_batch
+    monkeypatch.setattr(
+        stream, "encode_batch", lambda tok, batch: calls.append(max(map(len, batch))) or original(tok, batch)
+    )
+    assert list(stream.tokenize_in_batches(iter(texts), tokenizer)) == whole
+    assert max(calls) <= 300, "no call saw more than one piece's characters"

@@ -1,0 +1,110 @@
+"""Process hygiene without a training run: one writer per directory, and children that die with their parent."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common.lock import DirectoryLock, LockedError
+from tests.conftest import REPO
+
+HOLD = """
+import sys, time
+from common.lock import DirectoryLock
+DirectoryLock(sys.argv[1], "test run").acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_lock(directory):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(directory)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_live_holder_keeps_the_directory_and_is_named(tmp_path):
+    holder = hold_lock(tmp_path)
+    try:
+        with pytest.raises(LockedError) as error:
+            DirectoryLock(tmp_path, "training run").acquire()
+        assert f"pid {holder.pid}" in str(error.value) and "started" in str(error.value)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_lock_of_a_killed_holder_on_this_host_is_taken_over(tmp_path):
+    holder = hold_lock(tmp_path)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == holder.pid, "SIGKILL leaves the record"
+    lock = DirectoryLock(tmp_path, "training run").acquire()
+    assert lock.took_over["pid"] == holder.pid
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+    DirectoryLock(tmp_path, "training run").acquire().release()  # free again
+
+
+def test_a_lock_recorded_by_another_host_is_never_taken_over(tmp_path):
+    (tmp_path / ".lock").write_text(json.dumps({"host": "node-17", "pid": 4242, "started": "yesterday"}))
+    with pytest.raises(LockedError) as error:
+        DirectoryLock(tmp_path, "training run").acquire()
+    assert "another host (host node-17, pid 4242" in str(error.value) and "delete" in str(error.value)
+
+
+CHILD = """
+import os, sys, time
+from common.process import die_with_parent
+die_with_parent()
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_child_dies_with_its_parent(tmp_path):
+    # parent: a shell that starts the child in a session of its own (as torchrun does), then is killed
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {CHILD!r}], "
+         "start_new_session=True).wait()"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    child_pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and _alive(child_pid):
+        time.sleep(0.05)
+    assert not _alive(child_pid), "the child outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_second_preprocessing_into_a_busy_output_stops_naming_the_holder(tmp_path, corpus, capsys):
+    from data_prep.preprocess import main as preprocess_main
+
+    output = tmp_path / "packed"
+    holder = hold_lock(output)
+    try:
+        code = preprocess_main(["--tokenizer", str(corpus["tokenizer"]), "--input", str(corpus["train"]), "--output",
+                                str(output), "--num-workers", "1"])  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2
+    error = capsys.readouterr().err
+    assert "is in use by another preprocessing (host" in error and f"pid {holder.pid}" in error
+    assert not (output / "data").exists(), "nothing was written"

@@ -1,0 +1,227 @@
+"""Run safety in real 2-process ZeRO-3 launches: no hang, no orphan, one writer per directory, and a resume that
+loads only what was saved for this run. Each test here failed (or hung) before the fix it guards."""
+
+import contextlib
+import json
+import shutil
+import signal
+import socket
+import time
+
+import psutil
+import pytest
+
+from recipes.metrics import read_metrics
+from tests.conftest import LAUNCH_ENV, REPO, launch, launch_command, start, tiny_overrides
+
+pytestmark = pytest.mark.multiprocess
+
+PRETRAIN = REPO / "recipes/pretrain.py"
+STEPS = 8
+MODEL_WAS_BUILT = "parameters; this rank holds"
+
+
+def run_args(corpus, output_dir, **extra):
+    values = dict(max_steps=STEPS, save_steps=4, logging_steps=1, eval_steps=100, warmup_steps=2)
+    return tiny_overrides(corpus, output_dir, **{**values, **extra})
+
+
+def no_recipe_traceback(stderr: str) -> bool:
+    """The ranks reported the cause in one line, not a traceback through the recipe's code (the launcher's own
+    ChildFailedError report is another matter)."""
+    return not any(f'File "{REPO / package}' in stderr for package in ("recipes", "common", "data_prep", "eval"))
+
+
+def losses(output_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, corpus):
+    """An uninterrupted run with checkpoint-4 and checkpoint-8."""
+    output_dir = tmp_path_factory.mktemp("finished")
+    result = launch(PRETRAIN, run_args(corpus, output_dir))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return output_dir
+
+
+def at_step_4(finished, destination):
+    """The finished run as it was when checkpoint-4 was its newest."""
+    shutil.copytree(finished, destination, ignore=shutil.ignore_patterns("checkpoint-8", "final"))
+    (destination / "latest").write_text("checkpoint-4\n")
+    return destination
+
+
+def process_tree(root_pid):
+    root = psutil.Process(root_pid)
+    return [root, *root.children(recursive=True)]
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_for_training(log_path, process, timeout_s=300):
+    deadline = time.time() + timeout_s
+    while "INFO pretrain: loss" not in log_path.read_text():
+        assert process.poll() is None, log_path.read_text()[-3000:]
+        assert time.time() < deadline, "training did not start"
+        time.sleep(0.2)
+
+
+def test_a_resume_does_not_hang_when_tokenizers_parallelism_is_exported(tmp_path, corpus):
+    """The relaunch forks dataloader workers after tokenizing the validation set; with the Rust tokenizer's thread
+    pool started (TOKENIZERS_PARALLELISM=true) the forked workers used to deadlock in encode_batch."""
+    env = {**LAUNCH_ENV, "TOKENIZERS_PARALLELISM": "true"}
+    args = run_args(corpus, tmp_path / "run", dataloader_num_workers=2)
+    first = launch(PRETRAIN, [*args, "--max_steps", "4"], env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # a hang is killed whole after 300 s and fails the test ("timed out")
+    resumed = launch(PRETRAIN, [*args, "--max_steps", "6"], env=env, timeout_s=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "checkpoint-4 at step 4" in resumed.stderr and sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
+
+
+def test_killing_the_launcher_alone_ends_every_process_of_the_launch(tmp_path, corpus):
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        launcher = start(launch_command(PRETRAIN, run_args(corpus, tmp_path / "run", max_steps=400)),
+                         stdout=log, stderr=log)  # fmt: skip
+        wait_for_training(log_path, launcher)
+        tree = process_tree(launcher.pid)
+        assert len(tree) >= 5, "launcher, 2 ranks, their dataloader workers"
+        launcher.send_signal(signal.SIGKILL)  # the launcher only: the ranks have sessions of their own
+        launcher.wait()
+    deadline = time.time() + 20
+    survivors = tree[1:]
+    while survivors and time.time() < deadline:
+        survivors = [p for p in survivors if alive(p)]
+        time.sleep(0.2)
+    for orphan in survivors:  # leave nothing behind, whatever the verdict
+        with contextlib.suppress(psutil.Error):
+            orphan.kill()
+    assert not survivors, f"still running 20 s after the launcher died: {[p.cmdline()[-3:] for p in survivors]}"
+
+
+def test_a_second_launch_into_a_live_run_stops_and_names_the_holder(tmp_path, corpus):
+    output_dir = tmp_path / "run"
+    log_path = tmp_path / "first.txt"
+    with open(log_path, "w") as log:
+        first = start(launch_command(PRETRAIN, run_args(corpus, output_dir, max_steps=24)), stdout=log, stderr=log)
+        wait_for_training(log_path, first)
+        second = launch(PRETRAIN, run_args(corpus, output_dir, max_steps=24))
+        assert first.wait(timeout=600) == 0, log_path.read_text()[-3000:]
+    assert second.returncode != 0
+    assert "is in use by another training run (host" in second.stderr and "pid" in second.stderr
+    assert MODEL_WAS_BUILT not in second.stderr and no_recipe_traceback(second.stderr)
+    steps = [r["step"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, 25)), "the live run is unharmed: one history, no step twice"
+
+
+def test_a_stalled_dataloader_worker_becomes_an_error_with_every_stack(tmp_path, corpus):
+    env = {**LAUNCH_ENV, "PRETRAIN_TEST_STALL_WORKER_AFTER_ROWS": "40"}
+    args = run_args(corpus, tmp_path / "run", max_steps=400, hang_timeout_s=20, dataloader_num_workers=1)
+    started = time.time()
+    result = launch(PRETRAIN, args, env=env, timeout_s=400)  # still hanging after 400 s: killed whole, failed
+    print(f"stalled run ended after {time.time() - started:.0f} s")
+    assert result.returncode != 0
+    assert "Timeout (0:00:20)!" in result.stderr and "most recent call first" in result.stderr
+
+
+def corrupt(path, offset=4096, size=8192):
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        original = handle.read(size)
+        handle.seek(offset)
+        handle.write(bytes(255 - b for b in original))
+
+
+def test_a_corrupted_shard_is_skipped_for_the_previous_checkpoint_and_refused_by_name(tmp_path, finished, corpus):
+    output_dir = tmp_path / "run"
+    shutil.copytree(finished, output_dir, ignore=shutil.ignore_patterns("final"))
+    shard = next((output_dir / "checkpoint-8" / "pytorch_model").glob("*optim_states.pt"))
+    size = shard.stat().st_size
+    corrupt(shard)
+    assert shard.stat().st_size == size
+    explicit = launch(PRETRAIN, [*run_args(corpus, output_dir), "--resume", str(output_dir / "checkpoint-8")])
+    assert explicit.returncode != 0 and shard.name in explicit.stderr and "sha256" in explicit.stderr
+    assert MODEL_WAS_BUILT not in explicit.stderr
+    resumed = launch(PRETRAIN, run_args(corpus, output_dir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"skipped checkpoint-8: {shard}" in resumed.stderr and "checkpoint-4 at step 4" in resumed.stderr
+    assert losses(output_dir) == losses(finished), "resumed from checkpoint-4, bit-exact to the end"
+
+
+def test_a_fresh_start_into_a_used_directory_is_refused_unless_asked_to_overwrite(tmp_path, finished, corpus):
+    output_dir = tmp_path / "run"
+    shutil.copytree(finished, output_dir)
+    (output_dir / "notes.txt").write_text("mine")
+    refused = launch(PRETRAIN, [*run_args(corpus, output_dir, max_steps=4), "--resume", "none"])
+    assert refused.returncode != 0 and "overwrite_output_dir" in refused.stderr
+    assert MODEL_WAS_BUILT not in refused.stderr and (output_dir / "checkpoint-8").exists()
+    fresh = launch(PRETRAIN, [*run_args(corpus, output_dir, max_steps=4, overwrite_output_dir="true"), "--resume",
+                              "none"])  # fmt: skip
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert [r["step"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    assert (output_dir / "notes.txt").read_text() == "mine", "only the run's own outputs are removed"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (["--max_seq_length", "64"], "max_seq_length: 128 -> 64"),
+        (["--model_config.num_hidden_layers", "2"], "model_shape.num_hidden_layers: 4 -> 2"),
+        (["--gradient_accumulation_steps", "1", "--global_batch_size", "16"], "global_batch_rows: 32 -> 16"),
+    ],
+)
+def test_a_changed_run_definition_is_refused_before_the_model_is_built(tmp_path, finished, corpus, change, named):
+    output_dir = at_step_4(finished, tmp_path / "run")
+    result = launch(PRETRAIN, [*run_args(corpus, output_dir), *change])
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert "run-defining values differ" in result.stderr and named in result.stderr
+    assert MODEL_WAS_BUILT not in result.stderr and no_recipe_traceback(result.stderr)
+
+
+def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path, finished, corpus):
+    output_dir = at_step_4(finished, tmp_path / "run")
+    with open(output_dir / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 9, "lo')  # a kill in the middle of a write
+    result = launch(PRETRAIN, run_args(corpus, output_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "is not a metrics record (torn by a kill?); dropped" in result.stderr
+    assert losses(output_dir) == losses(finished)
+
+
+def test_a_busy_metrics_port_is_refused_before_the_model_is_built(tmp_path, corpus):
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = launch(PRETRAIN, run_args(corpus, tmp_path / "run", prometheus_port=port))
+    assert result.returncode != 0 and f"prometheus_port {port} cannot be served here" in result.stderr
+    assert MODEL_WAS_BUILT not in result.stderr
+
+
+def test_too_little_training_data_is_an_error_not_an_untrained_model(tmp_path, corpus):
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text(json.dumps({"text": "def f(): return 1"}) + "\n")
+    result = launch(PRETRAIN, run_args(corpus, tmp_path / "run", train_files=tiny))
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert "the data ended before the first optimizer step" in result.stderr
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_a_preprocessed_directory_without_a_global_batch_is_refused(tmp_path, corpus):
+    from data_prep.preprocess import preprocess
+
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text(json.dumps({"text": "def f(): return 1"}) + "\n")
+    packed = tmp_path / "packed"
+    assert preprocess(str(corpus["tokenizer"]), [str(tiny)], str(packed), 128, 1)["num_sequences"] == 0
+    result = launch(PRETRAIN, run_args(corpus, tmp_path / "run", train_files=packed))
+    assert result.returncode != 0 and "0 preprocessed rows are fewer than one global batch of 32" in result.stderr
+    assert MODEL_WAS_BUILT not in result.stderr
