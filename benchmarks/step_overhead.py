@@ -64,7 +64,7 @@ def recipe_trainer(config, accelerator, model, optimizer, micro_batches, metrics
     )  # fmt: skip
 
 
-def worker(steps: int, repeats: int, output: str) -> None:
+def worker(steps: int, repeats: int, output: str, bf16: bool) -> None:
     import torch
 
     from recipes.config import load_config
@@ -77,7 +77,7 @@ def worker(steps: int, repeats: int, output: str) -> None:
     config = load_config(
         REPO / "recipes/configs/tiny_cpu.yaml",
         ["--output_dir", run_dir, "--max_steps", str(steps), "--save_steps", str(10**9), "--eval_steps", str(10**9),
-         "--eval_tasks", "[]", "--validation_files", "[]", "--early_stopping_patience", "null"],
+         "--eval_tasks", "[]", "--validation_files", "[]", "--early_stopping_patience", "null", "--bf16", str(bf16)],
     )  # fmt: skip
     accelerator, ds_config = setup_distributed(config)
     configure_logging(accelerator)
@@ -119,10 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed pass")
     parser.add_argument("--repeats", type=int, default=6, help="pairs of alternating bare/recipe passes")
+    parser.add_argument("--bf16", choices=("auto", "true", "false"), default="auto",
+                        help="auto: bf16 where the CPU computes it natively, else fp32 (as the tests)")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    from common.hardware import cpu_has_native_bf16
+
+    bf16 = cpu_has_native_bf16() if args.bf16 == "auto" else args.bf16 == "true"
     if args.worker:
-        worker(args.steps, args.repeats, args.worker)
+        worker(args.steps, args.repeats, args.worker, bf16)
         return 0
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "timings.json"
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", str(REPO / "accelerate_configs/zero3_cpu.yaml"),
             "-m", "benchmarks.step_overhead", "--steps", str(args.steps), "--repeats", str(args.repeats),
-            "--worker", str(output),
+            "--bf16", str(bf16).lower(), "--worker", str(output),
         ]  # fmt: skip
         env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "PYTHONPATH": str(REPO)}
         completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
@@ -146,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         passes = " ".join(f"{v:.3f}" for v in timings[name])
         print(f"{name:<10}{per_step[name]:>15.4f}   {passes}")
     print(f"ratio recipe/bare: {ratio:.3f} (target <= 1.05); per pair: {' '.join(f'{r:.3f}' for r in pair_ratios)}")
-    result = {"bare_s_per_step": per_step["bare"], "recipe_s_per_step": per_step["recipe"], "ratio": ratio}
+    result = {
+        "bare_s_per_step": per_step["bare"],
+        "recipe_s_per_step": per_step["recipe"],
+        "ratio": ratio,
+        "bf16": bf16,
+    }
     print(json.dumps({**result, "pair_ratios": pair_ratios}))
     return 0
 

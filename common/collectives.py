@@ -49,3 +49,21 @@ def on_main_process(check, catch: tuple[type[Exception], ...]):
         error_type, message = outcome[1]
         raise error_type(message)
     return outcome[0]
+
+
+def on_every_rank(check, catch: tuple[type[Exception], ...]) -> None:
+    """Run `check()` on every rank; the first error of a type in `catch` raised on any rank is raised again, with
+    the same message, on every rank (a collective), so that all ranks stop together."""
+    failure = None
+    try:
+        check()
+    except catch as error:
+        failure = (type(error), str(error))
+    failures = [failure]
+    if _distributed():
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    for found in failures:
+        if found is not None:
+            error_type, message = found
+            raise error_type(message)

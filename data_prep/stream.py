@@ -1,9 +1,11 @@
 """Streaming tokenize-and-pack: raw text files in, rows of exactly `seq_len` token ids out.
 
-Sharding is by record: record i (a line, or a parquet row) of file f belongs to shard
-`(i + f) % num_shards`, one shard per (rank, dataloader worker). Every shard reads the file list but
-parses and tokenizes only its own records, so shards are disjoint and together cover the corpus;
-offsetting by the file index spreads files shorter than the shard count over all shards.
+One shard per (rank, dataloader worker). With at least as many files as shards, sharding is by file: shard s
+reads files s, s + num_shards, ..., so each reader opens only its own files (balanced when the files are of
+similar size, as the shards of a corpus usually are). With fewer files it is by record: record i (a line, or a
+parquet row) of file f belongs to shard `(i + f) % num_shards`; every shard then reads every file but parses and
+tokenizes only its own records, and offsetting by the file index spreads short files over all shards. Either
+way shards are disjoint and together cover the corpus exactly once.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ from data_prep.readers import iter_source_texts
 TOKENIZE_BATCH_DOCS = 256
 
 
+def sharding(num_sources: int, num_shards: int) -> str:
+    """'file' when every shard can have files of its own, else 'record'."""
+    return "file" if num_sources >= num_shards else "record"
+
+
 def shard_documents(sources: list[str], text_field: str, shard: int, num_shards: int) -> Iterator[str]:
+    if sharding(len(sources), num_shards) == "file":
+        for source in sources[shard::num_shards]:
+            yield from iter_source_texts(source, text_field)
+        return
     for file_index, source in enumerate(sources):
         yield from iter_source_texts(source, text_field, (shard - file_index) % num_shards, num_shards)
 

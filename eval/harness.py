@@ -1,10 +1,13 @@
-"""MMLU and GSM8K through lm-eval, on local data or the hub, for a plain model or a live ZeRO-3 one.
+"""MMLU and GSM8K through lm-eval's public API, on local data or the hub, for a model directory or a live model.
 
-The tasks are lm-eval's own: each `mmlu_<subject>` and `gsm8k` config is read from lm-eval's task
-directory (prompt template, few-shot split and sampler, target, filters, metrics), and only where the
-documents come from is replaced, by a loader for the local layouts of `eval.data`. The subjects are grouped
-like lm-eval's `mmlu` group (accuracy averaged weighted by subject size). With no local directory, the stock
-hub tasks are used, which needs the network.
+The local tasks are YAML files in `eval/tasks/` (`mmlu_local` and its 57 `mmlu_local_<subject>` tasks, and
+`gsm8k_local`) that carry lm-eval's own MMLU and GSM8K prompts, few-shot splits and samplers, filters and metrics,
+and read their documents from a local directory through `eval/tasks/loaders.py`. The standard CLI runs them too:
+
+    lm_eval --model hf --model_args pretrained=DIR --include_path eval/tasks --tasks mmlu_local,gsm8k_local \
+        --metadata '{"mmlu_dir": "/data/eval/mmlu", "gsm8k_dir": "/data/eval/gsm8k"}'
+
+With no local directory, lm-eval's stock hub tasks (`mmlu`, `gsm8k`) are used, which needs the network.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eval.data import load_gsm8k, load_mmlu_subject, mmlu_layout
+from eval.data import mmlu_layout
 
 logger = logging.getLogger("eval")
 SUPPORTED_TASKS = ("mmlu", "gsm8k")
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+MMLU_SUBJECTS = tuple(sorted(p.stem[len("mmlu_local_") :] for p in TASKS_DIR.glob("mmlu_local_*.yaml")))
 
 
 @dataclass
@@ -43,83 +48,37 @@ class BenchmarkSettings:
         if "gsm8k" in self.tasks and self.gsm8k_dir:
             check_gsm8k(self.gsm8k_dir)
 
-
-def _as_dataset_dict(splits: dict[str, list[dict]]):
-    import datasets
-
-    return datasets.DatasetDict({name: datasets.Dataset.from_list(rows) for name, rows in splits.items()})
+    def metadata(self) -> dict[str, str]:
+        """What the local tasks' loaders read (lm-eval's `--metadata`)."""
+        return {key: value for key, value in (("mmlu_dir", self.mmlu_dir), ("gsm8k_dir", self.gsm8k_dir)) if value}
 
 
-def _local_mmlu_subject(directory: str, subject: str, **_):
-    return _as_dataset_dict(load_mmlu_subject(directory, subject))
+def task_names(settings: BenchmarkSettings) -> list[str]:
+    """lm-eval task names: the local group when every MMLU subject is there, else the subjects present (their
+    weighted accuracy is computed as the group would, see `headline_scores`); hub tasks without a directory."""
+    names = []
+    if "mmlu" in settings.tasks and settings.mmlu_dir:
+        present = [s for s in mmlu_layout(settings.mmlu_dir)[1] if s in MMLU_SUBJECTS]
+        names += ["mmlu_local"] if len(present) == len(MMLU_SUBJECTS) else [f"mmlu_local_{s}" for s in present]
+    elif "mmlu" in settings.tasks:
+        names.append("mmlu")
+    if "gsm8k" in settings.tasks:
+        names.append("gsm8k_local" if settings.gsm8k_dir else "gsm8k")
+    return names
 
 
-def _local_gsm8k(directory: str, **_):
-    return _as_dataset_dict(load_gsm8k(directory))
-
-
-@functools.lru_cache(maxsize=1)
-def task_manager():
-    """lm-eval's task index over its mmlu and gsm8k directories only: indexing all of lm-eval's tasks reads
-    ~27k YAML files (~8 s on our CPU), at every evaluation."""
-    import lm_eval.tasks
+@functools.lru_cache(maxsize=4)
+def task_manager(metadata: tuple[tuple[str, str], ...], hub: bool):
+    """lm-eval's task index over `eval/tasks` (and its own tasks only when a hub task is asked for: indexing all
+    ~27k of them costs ~8 s)."""
     from lm_eval.tasks import TaskManager
 
-    tasks_root = Path(lm_eval.tasks.__file__).parent
-    return TaskManager(include_path=[tasks_root / "mmlu" / "default", tasks_root / "gsm8k"], include_defaults=False)
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=hub, metadata=dict(metadata))
 
 
-def _lm_eval_config(task_manager, name: str) -> dict[str, Any]:
-    """lm-eval's own config of a task or group, includes resolved."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    entry = task_manager.task_index.get(name)
-    if entry is None or entry.yaml_path is None:
-        raise ValueError(f"this lm-eval has no task or group {name!r}")
-    return dict(load_yaml(entry.yaml_path, resolve_func=True))
-
-
-def _local_task(task_manager, name: str, loader):
-    """lm-eval's own task `name` (prompt, few-shot split and sampler, filters, metrics), reading its
-    documents from `loader` instead of the hub."""
-    from lm_eval.api.task import ConfigurableTask
-
-    config = _lm_eval_config(task_manager, name)
-    for structural in ("tag", "group", "task_list"):
-        config.pop(structural, None)
-    config["custom_dataset"] = loader
-    return ConfigurableTask(config=config)
-
-
-def task_specs(settings: BenchmarkSettings) -> list:
-    """What to hand to `lm_eval.simple_evaluate(tasks=...)`: hub task names, or lm-eval's tasks on local data."""
-    from lm_eval.api.group import Group
-    from lm_eval.config.group import GroupConfig
-
-    manager = task_manager()
-    specs: list = []
-    if "mmlu" in settings.tasks and settings.mmlu_dir:
-        _, subjects = mmlu_layout(settings.mmlu_dir)
-        # lm-eval's `mmlu` group with its own aggregation (accuracy weighted by subject size) over the
-        # subjects present locally.
-        group_config = _lm_eval_config(manager, "mmlu")
-        group_config["task"] = [f"mmlu_{subject}" for subject in subjects]
-        group = Group.from_config(GroupConfig(**group_config))
-        for subject in subjects:
-            loader = functools.partial(_local_mmlu_subject, settings.mmlu_dir, subject)
-            group.add(_local_task(manager, f"mmlu_{subject}", loader))
-        specs.append(group)
-    elif "mmlu" in settings.tasks:
-        specs.append("mmlu")
-    if "gsm8k" in settings.tasks and settings.gsm8k_dir:
-        specs.append(_local_task(manager, "gsm8k", functools.partial(_local_gsm8k, settings.gsm8k_dir)))
-    elif "gsm8k" in settings.tasks:
-        specs.append("gsm8k")
-    return specs
-
-
-def evaluate(model, tokenizer, settings: BenchmarkSettings, synced_generation: bool = False) -> dict:
-    """lm-eval's results dict (`results`, `n-samples`, `configs`, ...) for `model`, a transformers causal LM.
+def evaluate(model, tokenizer, settings: BenchmarkSettings, synced_generation: bool = False, **model_args) -> dict:
+    """lm-eval's results dict (`results`, `n-samples`, `configs`, ...). `model` is a live transformers causal LM,
+    or a model directory's path, which lm-eval loads with `model_args` (device, dtype, parallelize).
 
     Under ZeRO-3 every rank must call this with the same settings: every rank then runs the same requests in
     the same order with the same batch size, so every forward pass is matched on every rank, and generation
@@ -128,20 +87,22 @@ def evaluate(model, tokenizer, settings: BenchmarkSettings, synced_generation: b
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, **model_args)
     gen_kwargs: dict[str, Any] = {}
     if synced_generation:
         gen_kwargs["synced_gpus"] = True
     if settings.max_gen_toks is not None:
         gen_kwargs["max_gen_toks"] = settings.max_gen_toks
+    names = task_names(settings)
+    hub = any(not name.endswith("_local") and not name.startswith("mmlu_local") for name in names)
     results = lm_eval.simple_evaluate(
         model=lm,
-        tasks=task_specs(settings),
+        tasks=names,
         num_fewshot=settings.num_fewshot,
         limit=settings.limit,
         gen_kwargs=gen_kwargs or None,
         log_samples=False,
-        task_manager=task_manager(),
+        task_manager=task_manager(tuple(sorted(settings.metadata().items())), hub),
         bootstrap_iters=1000,
         verbosity="ERROR",
     )
@@ -160,19 +121,28 @@ def jsonable(value):
 
 
 def headline_scores(results: dict) -> dict[str, float]:
-    """Flat metrics for logging: `mmlu/acc`, `mmlu/<subject>/acc`, `gsm8k/exact_match_strict`, `..._flexible`."""
+    """Flat metrics for logging: `mmlu/acc`, `mmlu/<subject>/acc`, `gsm8k/exact_match_strict`, `..._flexible`.
+    Local and hub tasks log under the same keys. Without the whole MMLU group (a directory with some subjects),
+    `mmlu/acc` is the subjects' accuracy weighted by their sizes, as lm-eval's group aggregates it."""
     scores: dict[str, float] = {}
+    sizes: dict[str, int] = {}
     for task, metrics in results.get("results", {}).items():
+        base = task.replace("mmlu_local", "mmlu").replace("gsm8k_local", "gsm8k")
         for key, value in metrics.items():
             if not isinstance(value, (int, float)) or "stderr" in key or "," not in key:
                 continue
             metric, filter_name = key.split(",", 1)
-            if task == "mmlu" and metric == "acc":
+            if base == "mmlu" and metric == "acc":
                 scores["mmlu/acc"] = float(value)
-            elif task.startswith("mmlu_") and metric == "acc":
-                scores[f"mmlu/{task[len('mmlu_') :]}/acc"] = float(value)
-            elif task == "gsm8k" and metric == "exact_match":
+            elif base.startswith("mmlu_") and metric == "acc":
+                subject = base[len("mmlu_") :]
+                scores[f"mmlu/{subject}/acc"] = float(value)
+                sizes[subject] = results.get("n-samples", {}).get(task, {}).get("effective", 0)
+            elif base == "gsm8k" and metric == "exact_match":
                 scores[f"gsm8k/exact_match_{filter_name.split('-')[0]}"] = float(value)
+    if "mmlu/acc" not in scores and sum(sizes.values()):
+        weighted = sum(scores[f"mmlu/{subject}/acc"] * size for subject, size in sizes.items())
+        scores["mmlu/acc"] = weighted / sum(sizes.values())
     return scores
 
 

@@ -2,10 +2,12 @@
 
     python -m eval.run --model outputs/demo/run/final --tasks mmlu,gsm8k \
         --mmlu-dir data/eval/mmlu --gsm8k-dir data/eval/gsm8k [--limit N] [--num-fewshot 5] \
-        [--batch-size 8] [--max-gen-toks 256] --output results.json
+        [--batch-size 8] [--max-gen-toks 256] [--device auto] [--dtype auto] [--parallelize] --output results.json
 
-Writes lm-eval's results JSON (`results`, `n-samples`, `configs`, ...) and prints its table. Without
---mmlu-dir / --gsm8k-dir the stock hub tasks are used, which needs the network.
+The model directory (e.g. `final/` or a `python -m recipes.export` output) goes to lm-eval by path, so lm-eval's
+own loading applies: `--device cuda --dtype bfloat16` for one GPU, `--parallelize` to shard a 70B model over every
+GPU of the node (`device_map="auto"`). Writes lm-eval's results JSON (`results`, `n-samples`, `configs`, ...) and
+prints its table. Without --mmlu-dir / --gsm8k-dir the stock hub tasks are used, which needs the network.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-fewshot", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-gen-toks", type=int, help="GSM8K answer budget (lm-eval's default: 256)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when present")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                        help="auto: bfloat16 on a GPU, float32 on the CPU")  # fmt: skip
+    parser.add_argument("--parallelize", action="store_true", help="shard the model over this node's GPUs")
     parser.add_argument("--output", required=True, help="results JSON path")
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     args = parser.parse_args(argv)
@@ -51,22 +57,34 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--model {args.model}: no config.json there; expected a saved model directory")
         what = "--tokenizer" if args.tokenizer else "--model (no --tokenizer given, so its tokenizer)"
         tokenizer = load_tokenizer(args.tokenizer or args.model, what)
+        model_args(args.device, args.dtype, args.parallelize)  # the choice is checked before the model is loaded
     except (BenchmarkDataError, TokenizerLoadError, ValueError) as error:
         if args.debug or os.environ.get("LOG_LEVEL", "").upper() == "DEBUG":
             traceback.print_exc()
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     started = time.perf_counter()
-    results = evaluate(model, tokenizer, settings)
+    results = evaluate(str(args.model), tokenizer, settings, **model_args(args.device, args.dtype, args.parallelize))
     seconds = time.perf_counter() - started
     write_results(results, args.output)
     print(format_table(results))
     samples = sum(n["effective"] for n in results["n-samples"].values())
     print(f"{samples} documents in {seconds:.1f} s ({seconds / max(samples, 1):.2f} s per document); {args.output}")
     return 0
+
+
+def model_args(device: str, dtype: str, parallelize: bool) -> dict:
+    """lm-eval's HFLM loading options for a model directory."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if device == "auto":
+        device = "cuda" if cuda else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if parallelize and device != "cuda":
+        raise ValueError("--parallelize shards the model over GPUs; this machine has none (use --device cpu)")
+    return {"device": device, "dtype": dtype, "parallelize": parallelize}
 
 
 if __name__ == "__main__":

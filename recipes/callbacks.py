@@ -111,10 +111,11 @@ class MetricLogger(Callback):
         """Metrics over the steps since the last log, reduced over ranks (a collective on every rank)."""
         accelerator, window = trainer.accelerator, trainer.window
         totals = accelerator.reduce(window.totals.clone(), reduction="sum")
+        # every rank's peaks (one small all-gather): the max goes to the log, each rank's to Prometheus
         memory = torch.tensor(
-            [metrics.peak_host_memory_gb(), metrics.peak_gpu_memory_gb() or 0.0], device=accelerator.device
+            [[metrics.peak_host_memory_gb(), metrics.peak_gpu_memory_gb() or 0.0]], device=accelerator.device
         )
-        memory = accelerator.reduce(memory, reduction="max")
+        per_rank = accelerator.gather(memory).cpu()
         # Ranks step in lockstep, so the slowest rank's time is the window's wall time; the tokens are
         # what all ranks consumed together, each counting only its own micro-batches.
         seconds = accelerator.reduce(torch.tensor([window.seconds], device=accelerator.device), reduction="max").item()
@@ -131,11 +132,13 @@ class MetricLogger(Callback):
             "mfu": metrics.model_flops_utilization(
                 tokens_per_s, self.flops_per_token, world, self.peak_tflops_per_device
             ),
-            "peak_host_memory_gb": memory[0].item(),
+            "peak_host_memory_gb": per_rank[:, 0].max().item(),
             "step_time_s": seconds / window_steps,
+            "peak_host_memory_gb_per_rank": per_rank[:, 0].tolist(),
         }
         if torch.cuda.is_available():
-            record["peak_gpu_memory_gb"] = memory[1].item()
+            record["peak_gpu_memory_gb"] = per_rank[:, 1].max().item()
+            record["peak_gpu_memory_gb_per_rank"] = per_rank[:, 1].tolist()
         logger.info(
             "loss %.4f | lr %.3g | grad_norm %.3f | %.0f tokens/s | MFU %s | host %.2f GB",
             record["loss"],

@@ -251,6 +251,11 @@ def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: in
     return doomed
 
 
+def read_config(directory: Path) -> dict[str, Any]:
+    """The resolved recipe a checkpoint (or an export) was saved with."""
+    return yaml.safe_load((Path(directory) / RESOLVED_CONFIG).read_text())
+
+
 def read_trainer_state(directory: Path) -> dict[str, Any]:
     return json.loads((Path(directory) / TRAINER_STATE).read_text())
 

@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 LR_SCHEDULER_TYPES = ("cosine_with_min_lr", "cosine", "constant_with_warmup")
 ATTN_IMPLEMENTATIONS = ("flash_attention_2", "sdpa", "eager")
 LOSS_SPIKE_ACTIONS = ("log", "rollback")
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 
 # LlamaConfig keys a recipe may set under `model_config`; anything else is a typo, not a wish.
 MODEL_CONFIG_KEYS: dict[str, type] = {
@@ -279,10 +280,22 @@ class PretrainConfig:
             )
         },
     )
+    report_to: list[str] = field(
+        default_factory=lambda: ["tensorboard"],
+        metadata={
+            "help": (
+                "Experiment trackers, through accelerate: tensorboard, wandb, mlflow (any of them), or none. "
+                "metrics.jsonl is always written."
+            )
+        },
+    )
     prometheus_port: int | None = field(
         default=None,
         metadata={
-            "help": "Serve the run's metrics for Prometheus on this port of the main process; unset serves nothing."
+            "help": (
+                "Serve the run's metrics for Prometheus on this port of every node's local rank 0 (e.g. 9555; not "
+                "9400, dcgm-exporter's); unset serves nothing."
+            )
         },
     )
     preflight_strict: bool = field(
@@ -408,14 +421,13 @@ def apply_overrides(raw: dict[str, Any], overrides: list[tuple[list[str], Any]])
     return merged
 
 
-def config_from_dict(raw: dict[str, Any], source: str = "config") -> PretrainConfig:
-    """Build and statically validate a config; unknown keys and wrong types are errors."""
+def config_from_dict(raw: dict[str, Any], source: str = "config", cli_keys: set[str] | None = None) -> PretrainConfig:
+    """Build and statically validate a config; unknown keys and wrong types are errors. `cli_keys` are the keys
+    that came from the command line, so that an error says where a typo was made."""
     types_by_name = _field_types()
     unknown = sorted(set(raw) - set(types_by_name))
     if unknown:
-        raise ConfigError(
-            f"{source}: unknown key(s) {', '.join(unknown)}. Valid keys: {', '.join(sorted(types_by_name))}"
-        )
+        raise ConfigError("; ".join(_unknown_key(key, source, key in (cli_keys or set())) for key in unknown))
     missing = [f.name for f in dataclasses.fields(PretrainConfig) if f.name not in raw and _is_required(f)]
     if missing:
         raise ConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
@@ -423,6 +435,15 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> PretrainCon
     config = PretrainConfig(**values)
     validate_static(config)
     return config
+
+
+def _unknown_key(key: str, source: str, from_cli: bool) -> str:
+    import difflib
+
+    where = f"--{key} on the command line" if from_cli else f"{key} in {source}"
+    close = difflib.get_close_matches(key, list(_field_types()), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "`recipes/pretrain.py --help` lists every key"
+    return f"unknown key {where}: {hint}"
 
 
 def _is_required(f: dataclasses.Field) -> bool:
@@ -443,7 +464,9 @@ def load_config(path: str | Path, argv: list[str] | None = None) -> PretrainConf
         raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of keys to values at the top level")
-    return config_from_dict(apply_overrides(raw, parse_overrides(argv or [])), source=str(path))
+    overrides = parse_overrides(argv or [])
+    cli_keys = {key_path[0] for key_path, _ in overrides}
+    return config_from_dict(apply_overrides(raw, overrides), source=str(path), cli_keys=cli_keys)
 
 
 def _positive(config: PretrainConfig, *names: str) -> None:
@@ -472,6 +495,9 @@ def validate_static(config: PretrainConfig) -> None:
     _validate_optimizer(config)
     if config.hang_timeout_s is not None and not 0 < config.hang_timeout_s < math.inf:
         raise ConfigError("hang_timeout_s must be a positive number of seconds, or null to turn the watchdog off")
+    unknown_trackers = [name for name in config.report_to if name not in REPORT_TO]
+    if unknown_trackers or ("none" in config.report_to and len(config.report_to) > 1):
+        raise ConfigError(f"report_to {config.report_to}: use any of tensorboard, wandb, mlflow, or [none] alone")
     if config.prometheus_port is not None and not 1 <= config.prometheus_port <= 65535:
         raise ConfigError(f"prometheus_port must be a TCP port in 1-65535, or null; got {config.prometheus_port}")
     if config.bf16 and config.fp16:

@@ -1,14 +1,34 @@
-"""The run's model as a Hugging Face model directory."""
+"""Hugging Face model directories from a run: `final/` at its end, and any complete checkpoint on demand.
+
+    python -m recipes.export CHECKPOINT_DIR --output DIR [--dtype bfloat16] [--max-shard-size 5GB] \
+        [--tokenizer DIR] [--overwrite]
+
+A checkpoint holds per-rank ZeRO-3 shards (or, after `ds_to_universal`, one fp32 file per parameter). The
+export reads them tensor by tensor through DeepSpeed's lazy consolidation (`convert_zero_checkpoint_to_state_dict`,
+optimizer files memory-mapped), so memory holds one output shard rather than the model: never the ~280 GB fp32
+copy of a 70B model. It writes sharded safetensors with an index, config.json and generation_config.json with the
+tokenizer's bos/eos/pad ids, the tokenizer, the resolved recipe and `export.json` (source step and run), into a
+staging directory that is renamed into place when complete. `final/` is written by this same function.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from recipes.checkpointing import write_resolved_config
-from recipes.config import PretrainConfig
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.files import atomic_write_text
+from recipes import checkpointing
+from recipes.config import ConfigError, PretrainConfig, config_from_dict
 
 if TYPE_CHECKING:
     from recipes.run_state import Stop
@@ -16,43 +36,175 @@ if TYPE_CHECKING:
     from recipes.trainer import Trainer
 
 logger = logging.getLogger("pretrain")
+DTYPES = ("bfloat16", "float16", "float32")
 
 
-def export_final(accelerator, model, tokenizer, output_dir: str | Path, config_dict) -> Path:
-    """Consolidated 16-bit HF weights (safetensors), tokenizer and recipe in `output_dir/final`. A collective:
-    every rank gathers its ZeRO-3 partitions; the main process writes."""
-    final = Path(output_dir) / "final"
-    state_dict = accelerator.get_state_dict(model)  # collective: gathers every ZeRO-3 partition
-    if accelerator.is_main_process:
-        final.mkdir(parents=True, exist_ok=True)
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.config.use_cache = True
-        unwrapped.save_pretrained(final, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(final)
-        write_resolved_config(final, config_dict)
-    accelerator.wait_for_everyone()
-    return final
+def generation_config_for(model_config):
+    """Greedy by default, the tokenizer's special ids, and the KV cache on (training turns it off)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=model_config.bos_token_id,
+        eos_token_id=model_config.eos_token_id,
+        pad_token_id=model_config.pad_token_id,
+        use_cache=True,
+    )
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    max_shard_size: str = "5GB",
+    tokenizer_path: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the Hugging Face model directory of a complete `checkpoint-N` to `output`; returns `output`."""
+    checkpoint, output = Path(checkpoint), Path(output)
+    problems = checkpointing.manifest_problems(checkpoint) if checkpoint.is_dir() else [f"{checkpoint} does not exist"]
+    if checkpointing.has_universal(checkpoint):  # the rank shards may have been deleted once converted
+        problems = [problem for problem in problems if f"{checkpoint / 'pytorch_model'}/" not in problem]
+    if problems:
+        raise ConfigError(f"cannot export {checkpoint}: {problems[0]}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if output.exists() and not overwrite:
+        raise ConfigError(f"--output {output} exists; choose a new directory or pass --overwrite")
+    config = config_from_dict(checkpointing.read_config(checkpoint), str(checkpoint / checkpointing.RESOLVED_CONFIG))
+    from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(tokenizer_path or config.tokenizer_name_or_path, "the run's tokenizer (--tokenizer)")
+    except TokenizerLoadError as error:
+        raise ConfigError(str(error)) from None
+    from recipes.model import llama_config, with_token_ids
+
+    model_config = with_token_ids(llama_config(config, len(tokenizer)), tokenizer)
+    staging = output.with_name(f".{output.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    _write_weights(checkpoint, staging, dtype, max_shard_size, model_config)
+    model_config.dtype = dtype
+    model_config.use_cache = True
+    model_config.save_pretrained(staging)
+    generation_config_for(model_config).save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    checkpointing.write_resolved_config(staging, config.to_dict())
+    source = {
+        "checkpoint": str(checkpoint.resolve()),
+        "step": checkpointing.read_manifest(checkpoint)["step"],
+        "run": str(checkpoint.resolve().parent),
+        "dtype": dtype,
+        "exported": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    atomic_write_text(staging / "export.json", json.dumps(source, indent=2))
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(staging, output)
+    return output
+
+
+def _write_weights(checkpoint: Path, staging: Path, dtype: str, max_shard_size: str, model_config) -> None:
+    """Sharded safetensors from the per-rank ZeRO shards, or from the universal form when only it is there."""
+    if any((checkpoint / "pytorch_model").glob("*optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+        convert_zero_checkpoint_to_state_dict(
+            str(checkpoint), str(staging), dtype=dtype, max_shard_size=max_shard_size, safe_serialization=True,
+            tag="pytorch_model",
+        )  # fmt: skip
+    elif checkpointing.has_universal(checkpoint):
+        zero_dir = checkpoint / checkpointing.UNIVERSAL_DIR / "pytorch_model" / "zero"
+        _write_universal_weights(zero_dir, staging, dtype, max_shard_size, _parameter_shapes(model_config))
+    else:
+        raise ConfigError(f"cannot export {checkpoint}: it holds neither ZeRO shards nor a universal checkpoint")
+
+
+def _parameter_shapes(model_config) -> dict:
+    """Every parameter's shape, from a model built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return {name: tensor.shape for name, tensor in model.state_dict().items()}
+
+
+def _write_universal_weights(zero_dir: Path, staging: Path, dtype: str, max_shard_size: str, shapes: dict) -> None:
+    """One parameter file at a time (`zero/<name>/fp32.pt`, flat fp32), one output shard in memory."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    target = getattr(torch, dtype)
+    missing = [name for name in shapes if not (zero_dir / name / "fp32.pt").is_file()]
+    if missing:
+        raise ConfigError(f"the universal checkpoint {zero_dir} lacks {len(missing)} parameter(s), e.g. {missing[0]}")
+
+    def load(name: str):
+        saved = torch.load(zero_dir / name / "fp32.pt", map_location="cpu", weights_only=False)
+        return (saved["param"] if isinstance(saved, dict) else saved).reshape(shapes[name]).to(target).contiguous()
+
+    empty = {name: torch.empty(shape, dtype=target, device="meta") for name, shape in shapes.items()}
+    split = split_torch_state_dict_into_shards(empty, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)  # fmt: skip
+    for filename, tensors in split.filename_to_tensors.items():
+        save_file({name: load(name) for name in tensors}, staging / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: Stop, started: float) -> None:
-    """final/ (the best checkpoint after early stopping), then the summary, report and loss plot."""
+    """`final/` from the best checkpoint after early stopping, else from this step's (saved now if it is not
+    yet), then the summary, report and loss plot. The main process writes; the other ranks are done."""
     from accelerate.utils import gather_object
 
     from recipes.metrics import peak_host_memory_gb, write_run_outputs
     from recipes.run_state import StopReason
 
-    accelerator, state, run_dir = trainer.accelerator, trainer.state, Path(config.output_dir)
+    state, run_dir = trainer.state, Path(config.output_dir)
+    source = trainer.save()  # a collective; returns the newest checkpoint when this step is saved already
     if stop.reason is StopReason.EARLY_STOPPING and state.best_checkpoint:
+        source = run_dir / state.best_checkpoint
         logger.info("exporting the best checkpoint, %s, to final/", state.best_checkpoint)
-        accelerator.load_state(str(run_dir / state.best_checkpoint))  # collective
-    final_dir = export_final(accelerator, trainer.model, launch.inputs.tokenizer, run_dir, config.to_dict())
     peaks = gather_object([peak_host_memory_gb()])  # a collective
-    if accelerator.is_main_process:
-        summary = dict(
-            steps=state.step, stop_reason=str(stop), best_eval_loss=state.best_eval_loss,
-            best_checkpoint=state.best_checkpoint, wall_seconds=time.perf_counter() - started,
-            resumed_from=str(launch.resume_from) if launch.resume_from else None,
-            num_parameters=trainer.num_parameters, peak_host_memory_gb_per_rank=peaks,
-            attn_implementation=launch.inputs.attn_implementation,
-        )  # fmt: skip
-        write_run_outputs(run_dir, final_dir, summary)
+    if not trainer.accelerator.is_main_process:
+        return
+    dtype = "bfloat16" if config.bf16 else "float16" if config.fp16 else "float32"
+    final_dir = export_checkpoint(source, run_dir / "final", dtype=dtype, overwrite=True)
+    summary = dict(
+        steps=state.step, stop_reason=str(stop), best_eval_loss=state.best_eval_loss,
+        best_checkpoint=state.best_checkpoint, wall_seconds=time.perf_counter() - started,
+        resumed_from=str(launch.resume_from) if launch.resume_from else None, exported_from=source.name,
+        num_parameters=trainer.num_parameters, peak_host_memory_gb_per_rank=peaks,
+        attn_implementation=launch.inputs.attn_implementation,
+    )  # fmt: skip
+    write_run_outputs(run_dir, final_dir, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a complete checkpoint-N directory of a run")
+    parser.add_argument("--output", required=True, help="the model directory to write (refused if it exists)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weights' dtype (default bfloat16)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--tokenizer", help="tokenizer directory, if the run's is not at its recorded path")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    args = parser.parse_args(argv)
+    try:
+        output = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                   tokenizer_path=args.tokenizer, overwrite=args.overwrite)  # fmt: skip
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    import resource
+
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"exported {args.checkpoint} to {output} (peak memory {peak_mb:.0f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

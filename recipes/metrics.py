@@ -50,39 +50,28 @@ def peak_gpu_memory_gb() -> float | None:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl and mirrors scalars to TensorBoard and,
-    when a port is given, to a Prometheus endpoint."""
+    """Where the run's numbers go. On the main process: metrics.jsonl (one JSON object per line, the source of
+    truth) and the experiment trackers (`accelerator.log`: TensorBoard, wandb, MLflow per `report_to`). On every
+    node's local rank 0 with a Prometheus exporter: its latest values. Call `write` on every rank alike."""
 
-    def __init__(self, output_dir: str | Path, enabled: bool, prometheus_port: int | None = None):
+    def __init__(self, output_dir: str | Path, enabled: bool, prometheus=None, trackers=None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.tensorboard = None
-        self.prometheus = None
-        if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
-            if prometheus_port is not None:
-                from recipes.monitoring import PrometheusExporter
-
-                self.prometheus = PrometheusExporter(prometheus_port)
+        self.prometheus = prometheus  # recipes.monitoring.PrometheusExporter, or None
+        self.trackers = trackers  # an Accelerator whose trackers were started, or None
 
     def write(self, step: int, values: dict[str, Any]) -> None:
+        record = {"step": step, **values}
+        if self.prometheus is not None:
+            self.prometheus.update(record)
         if not self.enabled:
             return
-        record = {"step": step, **values}
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
-        for key, value in values.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.tensorboard.add_scalar(key, value, step)
-        self.tensorboard.flush()
-        if self.prometheus is not None:
-            self.prometheus.update({"step": step, **values})
-            for key, value in values.items():
-                if key.count("/") == 1:  # benchmark scores: "mmlu/acc", "gsm8k/exact_match_strict"
-                    task, metric = key.split("/")
-                    self.prometheus.update({"benchmark_score": value}, labels={"task": task, "metric": metric})
+        if self.trackers is not None:
+            numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if numbers:
+                self.trackers.log(numbers, step=step)
 
     def truncate(self, after_step: int) -> None:
         """Drop the records past `after_step` (a resumed or rolled-back run logs those steps again)."""
@@ -90,10 +79,9 @@ class MetricsWriter:
             truncate_metrics(self.path, after_step)
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
         if self.prometheus is not None:
             self.prometheus.close()
+            self.prometheus = None
 
 
 def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:

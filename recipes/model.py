@@ -42,6 +42,17 @@ def llama_config(config: PretrainConfig, tokenizer_size: int) -> LlamaConfig:
     return model_config
 
 
+def with_token_ids(model_config, tokenizer):
+    """The model config with the tokenizer's bos/eos/pad ids: generation stops at the tokenizer's EOS, not at a
+    LlamaConfig default (id 2 is an ordinary byte token in a tokenizer made by data_prep.train_tokenizer). For an
+    exported model only: in training, `pad_token_id` would make the embedding freeze that row at zero, and some
+    tokenizers use EOS as their pad."""
+    model_config.bos_token_id = tokenizer.bos_token_id
+    model_config.eos_token_id = tokenizer.eos_token_id
+    model_config.pad_token_id = tokenizer.pad_token_id
+    return model_config
+
+
 def build_model(config: PretrainConfig, model_config, attn_implementation: str, dtype: torch.dtype):
     """From scratch or from a local checkpoint. Under accelerate's `zero3_init_flag` transformers builds
     it inside `deepspeed.zero.Init`, so every parameter is partitioned as it is created."""

@@ -1,82 +1,121 @@
-"""Opt-in Prometheus endpoint on the main process: the latest value of each run metric as a gauge.
+"""Prometheus metrics of a run, through prometheus_client.
 
-Plain `http.server` in a daemon thread, text exposition format 0.0.4: no extra dependency, and
-nothing runs unless `prometheus_port` is set. Scrape `http://<head node>:<port>/metrics`.
+Every node's local rank 0 serves `/metrics` on `prometheus_port` (scrape `node:port` for every node): the run's
+metrics, the same on every node, labelled with the node; and the per-rank values of that node's ranks (peak host
+and GPU memory), labelled with rank and node. Names follow Prometheus's conventions: base units (`_bytes`,
+`_seconds`, `_ratio`) and `_total` for counters. Nothing runs unless `prometheus_port` is set.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 
 PREFIX = "pretrain_"
-# Record keys exported, with their help text. Anything else in a record stays in metrics.jsonl only.
-GAUGES = {
-    "step": "optimizer steps completed",
-    "loss": "training loss, mean over accumulation and ranks since the last log",
-    "lr": "learning rate of the last optimizer step",
-    "grad_norm": "global gradient norm before clipping",
-    "tokens_per_s": "tokens consumed by all ranks per second of step time",
-    "mfu": "model FLOPs utilisation",
-    "peak_gpu_memory_gb": "peak CUDA memory allocated, max over ranks",
-    "peak_host_memory_gb": "peak resident host memory, max over ranks",
-    "num_tokens": "tokens consumed so far by all ranks",
-    "eval_loss": "validation loss",
-    "last_checkpoint_step": "step of the newest complete checkpoint",
-    "benchmark_score": "benchmark score, by task and metric",
+DEFAULT_PORT = 9555  # not 9400: dcgm-exporter's default, which a GPU cluster with DCGM already serves
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str  # without PREFIX; a counter's name without `_total`
+    kind: str  # "gauge" or "counter"
+    help: str
+    scale: float = 1.0  # record value x scale = base unit
+
+
+# Record keys (as in metrics.jsonl) -> exported series. Anything else stays in metrics.jsonl only.
+RUN_SERIES = {
+    "step": Series("step", "gauge", "optimizer steps completed"),
+    "loss": Series("loss", "gauge", "training loss, mean over accumulation and ranks since the last log"),
+    "lr": Series("learning_rate", "gauge", "learning rate of the last optimizer step"),
+    "grad_norm": Series("grad_norm", "gauge", "global gradient norm before clipping"),
+    "tokens_per_s": Series("tokens_per_second", "gauge", "tokens consumed by all ranks per second of step time"),
+    "mfu": Series("model_flops_utilization_ratio", "gauge", "model FLOPs utilisation (0-1)"),
+    "step_time_s": Series("step_duration_seconds", "gauge", "seconds per optimizer step, slowest rank"),
+    "num_tokens": Series("tokens", "counter", "tokens consumed by all ranks since the start of the run"),
+    "eval_loss": Series("eval_loss", "gauge", "validation loss"),
+    "last_checkpoint_step": Series("last_checkpoint_step", "gauge", "step of the newest complete checkpoint"),
+}
+BENCHMARK_SERIES = Series("benchmark_score", "gauge", "benchmark score by task and metric")
+RANK_SERIES = {
+    "peak_host_memory_gb_per_rank": Series("peak_host_memory_bytes", "gauge", "peak resident host memory", 1e9),
+    "peak_gpu_memory_gb_per_rank": Series("peak_gpu_memory_bytes", "gauge", "peak CUDA memory allocated", 1e9),
 }
 
 
-class PrometheusExporter:
-    def __init__(self, port: int, host: str = "0.0.0.0"):
-        self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+def exported_names() -> set[str]:
+    """Every series name as a scrape shows it (what the Grafana dashboard may use)."""
+    series = [*RUN_SERIES.values(), BENCHMARK_SERIES, *RANK_SERIES.values()]
+    return {PREFIX + s.name + ("_total" if s.kind == "counter" else "") for s in series}
+
+
+class RunCollector:
+    """A prometheus_client collector over the latest values: what a scrape sees is what was last logged."""
+
+    def __init__(self, node: int, ranks: list[int]):
+        self.node, self.ranks = str(node), ranks
+        self._values: dict[str, float] = {}
+        self._benchmarks: dict[tuple[str, str], float] = {}
+        self._per_rank: dict[str, list[float]] = {}
         self._lock = threading.Lock()
-        exporter = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served")
-                    return
-                body = exporter.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    def update(self, record: dict) -> None:
+        with self._lock:
+            for key, value in record.items():
+                if key in RUN_SERIES and _is_number(value):
+                    self._values[key] = float(value)
+                elif key in RANK_SERIES and isinstance(value, list):
+                    self._per_rank[key] = [float(v) for v in value]
+                elif key.count("/") == 1 and _is_number(value):  # "mmlu/acc", "gsm8k/exact_match_strict"
+                    self._benchmarks[tuple(key.split("/"))] = float(value)
 
-            def log_message(self, *args):
-                pass
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="prometheus")
-        self._thread.start()
+        with self._lock:
+            values, benchmarks, per_rank = dict(self._values), dict(self._benchmarks), dict(self._per_rank)
+        for key, value in values.items():
+            series = RUN_SERIES[key]
+            family = (CounterMetricFamily if series.kind == "counter" else GaugeMetricFamily)(
+                PREFIX + series.name, series.help, labels=["node"]
+            )
+            family.add_metric([self.node], value * series.scale)
+            yield family
+        if benchmarks:
+            family = GaugeMetricFamily(PREFIX + BENCHMARK_SERIES.name, BENCHMARK_SERIES.help, labels=["task", "metric"])
+            for (task, metric), value in sorted(benchmarks.items()):
+                family.add_metric([task, metric], value)
+            yield family
+        for key, values_by_rank in per_rank.items():
+            series = RANK_SERIES[key]
+            family = GaugeMetricFamily(PREFIX + series.name, series.help, labels=["rank", "node"])
+            for rank in self.ranks:
+                if rank < len(values_by_rank):
+                    family.add_metric([str(rank), self.node], values_by_rank[rank] * series.scale)
+            yield family
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class PrometheusExporter:
+    """`/metrics` on `port` from a registry of its own (no Python process metrics mixed in)."""
+
+    def __init__(self, port: int, node: int = 0, ranks: list[int] | None = None, host: str = "0.0.0.0"):
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.collector = RunCollector(node, ranks if ranks is not None else [0])
+        registry = CollectorRegistry()
+        registry.register(self.collector)
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
 
     @property
     def port(self) -> int:
         return self._server.server_address[1]
 
-    def update(self, values: dict, labels: dict[str, str] | None = None) -> None:
-        label_items = tuple(sorted((labels or {}).items()))
-        with self._lock:
-            for key, value in values.items():
-                if key in GAUGES and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._values[(key, label_items)] = float(value)
-
-    def render(self) -> str:
-        with self._lock:
-            items = sorted(self._values.items())
-        lines, seen = [], set()
-        for (key, labels), value in items:
-            name = PREFIX + key
-            if name not in seen:
-                lines += [f"# HELP {name} {GAUGES[key]}", f"# TYPE {name} gauge"]
-                seen.add(name)
-            label_text = "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else ""
-            text = "NaN" if math.isnan(value) else repr(value)
-            lines.append(f"{name}{label_text} {text}")
-        return "\n".join(lines) + "\n"
+    def update(self, record: dict) -> None:
+        self.collector.update(record)
 
     def close(self) -> None:
         self._server.shutdown()

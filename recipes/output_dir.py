@@ -19,7 +19,7 @@ logger = logging.getLogger("pretrain")
 # What a run writes into output_dir; `overwrite_output_dir` removes exactly these, nothing a user put beside them.
 RUN_OUTPUTS = (
     "metrics.jsonl", "tensorboard", "final", "eval", "loss.png", "report.md", "run_summary.json",
-    checkpointing.RESOLVED_CONFIG, "deepspeed_config.json", checkpointing.LATEST,
+    checkpointing.RESOLVED_CONFIG, "deepspeed_config.json", checkpointing.LATEST, "trackers.json", "mlruns", "wandb",
 )  # fmt: skip
 
 

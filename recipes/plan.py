@@ -46,6 +46,9 @@ DEEPSPEED_HOST_BUFFER_FACTOR = 1.5  # DeepSpeed's own estimator multiplies host 
 # sha256 of checkpoint files at resume, per rank (hashlib with SHA-NI, files in page cache; measured 0.80-0.84 GB/s
 # on the 2-core development machine). Storage that reads slower per rank bounds it instead.
 SHA256_GB_PER_S = 0.8
+# Checkpoint write rate per rank to shared storage (an assumption: a parallel filesystem at ~8 GB/s per 8-GPU node;
+# override by reading the save time logged by a smoke run). A save writes, then hashes what it wrote.
+CHECKPOINT_WRITE_GB_PER_S_PER_RANK = 1.0
 
 
 @dataclass
@@ -84,6 +87,7 @@ class Plan:
     checkpoint_gb: float
     checkpoint_disk_gb: float
     checkpoint_verify_s: float
+    checkpoint_save_s: float
     fits: bool
     verdicts: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -205,12 +209,10 @@ def gpu_memory_terms(config: PretrainConfig, shape: dict[str, Any], params: int,
     # The bf16 gradient shard is counted on the GPU as the SPEC does (conservative under offload,
     # where DeepSpeed moves reduced partitions to host memory as they complete).
     memory["bf16_gradient_shard"] = 2 * params / world / GB
-    buckets = (
-        float(zero.get("allgather_bucket_size", 5e8))
-        + float(zero.get("reduce_bucket_size", 5e8))
-        + float(zero.get("stage3_prefetch_bucket_size", 5e7))
-    )
-    memory["gather_and_reduce_buckets"] = 2 * buckets / GB
+    # What ZeRO-3 allocates for its knobs, in 16-bit elements (DeepSpeed's defaults where the JSON is silent): the
+    # reduce-scatter bucket, parameters fetched ahead, and the bound on gathered parameters alive at once.
+    memory["reduce_bucket"] = 2 * float(zero.get("reduce_bucket_size", 5e8)) / GB
+    memory["prefetch_bucket"] = 2 * float(zero.get("stage3_prefetch_bucket_size", 5e7)) / GB
     memory["live_parameters"] = 2 * min(float(zero.get("stage3_max_live_parameters", 1e9)), params) / GB
     per_layer_activations = ACTIVATION_BYTES_PER_SBH * seq * micro * hidden
     if config.gradient_checkpointing:
@@ -278,6 +280,7 @@ def make_plan(
     peak, expected, step_time, days, gpu_hours = time_terms(config, hardware, flops)
 
     checkpoint_gb = (2 * params + 12 * params) / GB  # bf16 weights + fp32 master and Adam moments
+    verify_s = checkpoint_gb / (world * SHA256_GB_PER_S)  # every rank hashes its share
     keep = (config.save_total_limit or 1) + 1  # the new checkpoint is complete before the oldest goes
     plan = Plan(
         params=params,
@@ -299,7 +302,10 @@ def make_plan(
         gpu_hours=gpu_hours,
         checkpoint_gb=round(checkpoint_gb, 1),
         checkpoint_disk_gb=round(checkpoint_gb * keep, 1),
-        checkpoint_verify_s=round(checkpoint_gb / (world * SHA256_GB_PER_S), 1),
+        checkpoint_verify_s=round(verify_s, 1),
+        checkpoint_save_s=round(
+            checkpoint_gb / world * (1 / CHECKPOINT_WRITE_GB_PER_S_PER_RANK + 1 / SHA256_GB_PER_S), 1
+        ),
         fits=True,
         warnings=warnings,
         hardware=asdict(hardware),
@@ -383,7 +389,8 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
     lines.append(
         f"  checkpoint: {plan.checkpoint_gb:,.0f} GB each; {plan.checkpoint_disk_gb:,.0f} GB of disk for "
         f"save_total_limit={config.save_total_limit} plus the one being written; verified at resume in "
-        f"~{plan.checkpoint_verify_s:,.0f} s (sha256, every rank its share at {SHA256_GB_PER_S} GB/s)"
+        f"~{plan.checkpoint_verify_s:,.0f} s (sha256, every rank its share at {SHA256_GB_PER_S} GB/s); a save takes "
+        f"~{plan.checkpoint_save_s:,.0f} s (write at {CHECKPOINT_WRITE_GB_PER_S_PER_RANK} GB/s per rank, then hash)"
     )
     lines += [f"  verdict: {v}" for v in plan.verdicts]
     lines += [f"  warning: {w}" for w in plan.warnings]

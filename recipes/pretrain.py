@@ -51,16 +51,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         stop = trainer.fit()
+        logger.info("training stopped after %d steps: %s", trainer.state.step, stop)
+        if stop.reason is not StopReason.STOP_SIGNAL:  # a stopped run is continued later, not exported
+            export_run(config, launch, trainer, stop, started)
+        return 0
     except (TrainingFault, CheckpointSaveError, DataStallError, ConfigError) as error:
-        trainer.metrics.close()
         logger.error("%s", error)
         return {TrainingFault: 3, CheckpointSaveError: 4, DataStallError: 5, ConfigError: 2}[type(error)]
-    logger.info("training stopped after %d steps: %s", trainer.state.step, stop)
-    if stop.reason is not StopReason.STOP_SIGNAL:  # a stopped run is continued later, not exported
-        export_run(config, launch, trainer, stop, started)
-    trainer.metrics.close()
-    trainer.accelerator.end_training()
-    return 0
+    finally:
+        trainer.metrics.close()
+        trainer.accelerator.end_training()  # finishes the trackers' runs
 
 
 def report_error(error: Exception) -> int:

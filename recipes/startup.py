@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from common.collectives import on_main_process
+from common.collectives import on_every_rank, on_main_process
 from data_prep.packed_dataset import PackedRows
 from data_prep.readers import resolve_sources
 from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
@@ -32,6 +32,7 @@ def setup_distributed(config: PretrainConfig):
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DeepSpeedPlugin
 
+    check_gpus_per_node()
     if not torch.cuda.is_available():
         # Without CUDA accelerate finds no backend and every rank believes it is rank 0 of 1,
         # while DeepSpeed runs 2: sharding, logging and saving would silently go wrong.
@@ -48,14 +49,30 @@ def setup_distributed(config: PretrainConfig):
         deepspeed_config.load_deepspeed_json(ds_path), config, world_size
     )
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=deepspeed_config.zero3_init_requested())
+    from recipes.trackers import trackers_for
+
     accelerator = Accelerator(
         deepspeed_plugin=plugin,
+        log_with=trackers_for(config.report_to, config.output_dir) or None,
         mixed_precision="bf16" if config.bf16 else "fp16" if config.fp16 else "no",
         gradient_accumulation_steps=config.gradient_accumulation_steps,
     )
     if accelerator.num_processes != world_size:
         raise RuntimeError(f"accelerate sees {accelerator.num_processes} processes but WORLD_SIZE is {world_size}")
     return accelerator, ds_config
+
+
+def check_gpus_per_node() -> None:
+    """An accelerate config for 8 GPUs on a machine with fewer starts 8 CPU ranks that fail minutes later, far from
+    the cause: say it now. DS_ACCELERATOR=cpu marks a deliberate CPU rehearsal (the tests, the demo)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if per_node > gpus and os.environ.get("DS_ACCELERATOR") != "cpu":
+        raise ConfigError(
+            f"this launch starts {per_node} processes on this node, but it has {gpus} GPU(s) "
+            "(torch.cuda.device_count()): use the accelerate config for this many GPUs, or set DS_ACCELERATOR=cpu "
+            "for a CPU rehearsal"
+        )
 
 
 def configure_logging(accelerator) -> None:
@@ -113,8 +130,9 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
             + "\n  ".join(plan.verdicts)
             + "\nChange the recipe or DeepSpeed config, or set preflight_strict: false to try anyway."
         )
-    if config.prometheus_port is not None:
-        on_main_process(lambda: check_port_free(config.prometheus_port), catch=(ConfigError,))
+    if config.prometheus_port is not None:  # every node's local rank 0 serves it
+        port = config.prometheus_port
+        on_every_rank(lambda: accelerator.is_local_main_process and check_port_free(port), catch=(ConfigError,))
     identity = run_identity(config, model_config, tokenizer, accelerator.num_processes)
     return RunInputs(
         tokenizer, model_config, attn_implementation, train_source, validation_sources, benchmarks, identity
@@ -122,8 +140,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
 
 
 def check_port_free(port: int) -> None:
-    """The metrics port can be bound here (the main process serves it): a busy port fails now, not after the
-    checkpoint of a 70B model is restored."""
+    """The metrics port can be bound here: a busy port fails now, not after a 70B checkpoint is restored."""
     import socket
 
     with socket.socket() as probe:
@@ -131,7 +148,8 @@ def check_port_free(port: int) -> None:
         try:
             probe.bind(("0.0.0.0", port))
         except OSError as error:
-            message = f"prometheus_port {port} cannot be served here ({error.strerror}): choose a free port"
+            host = socket.gethostname()
+            message = f"prometheus_port {port} cannot be served on {host} ({error.strerror}): choose a free port"
             raise ConfigError(message) from None
 
 

@@ -27,7 +27,7 @@ from common.process import die_with_parent
 from data_prep.format import is_preprocessed
 from data_prep.packed_dataset import GlobalBatchSampler, PackedRows
 from data_prep.readers import resolve_sources
-from data_prep.stream import PackedTextStream
+from data_prep.stream import PackedTextStream, sharding
 from recipes.config import ConfigError, PretrainConfig
 
 logger = logging.getLogger("pretrain")
@@ -113,6 +113,15 @@ class TrainData:
     def __init__(self, source: PackedRows | list[str], config: PretrainConfig, tokenizer, rank: int, world: int):
         self.kind = DataKind.PREPROCESSED if isinstance(source, PackedRows) else DataKind.STREAM
         self.rank, self.world = rank, world
+        self.sharding = "global index"
+        if self.kind is DataKind.STREAM:
+            readers = world * max(1, config.dataloader_num_workers)
+            self.sharding = sharding(len(source), readers)
+            logger.info(
+                "train data: %d raw file(s) over %d reader(s) (ranks x dataloader workers), sharded by %s%s",
+                len(source), readers, self.sharding,
+                "" if self.sharding == "file" else ": every reader reads every file and keeps its own records",
+            )  # fmt: skip
         self.num_workers = config.dataloader_num_workers
         self.num_epochs = config.num_train_epochs
         self.loader = build_loader(source, config, tokenizer, rank, world)
@@ -164,6 +173,7 @@ class TrainData:
             "global_rows_consumed": per_rank[0]["rows_consumed"] * self.world,
             "world_size": self.world,
             "dataloader_num_workers": self.num_workers,
+            "sharding": self.sharding,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -191,6 +201,13 @@ class TrainData:
             return (
                 f"it was written with dataloader_num_workers={workers}; the data position depends on it, so "
                 f"resume with the same value (this launch: {self.num_workers})"
+            )
+        saved_sharding = state.get("sharding", "record")  # checkpoints from before file sharding used records
+        if saved_sharding != self.sharding:
+            return (
+                f"its raw-text position was counted with {saved_sharding} sharding, this launch shards by "
+                f"{self.sharding}: the position would point at other documents. Finish the run with the code that "
+                "wrote it, or train from a preprocessed directory"
             )
         return None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,19 +97,20 @@ class Trainer:
             if self.state.step >= self.total_steps:
                 stop = Stop(StopReason.MAX_STEPS)
                 break
-            micro_batches = self.data.take(self.config.gradient_accumulation_steps)
-            # Ranks hold different shares of the data and receive signals at different moments: one
-            # 2-element all-reduce per optimizer step makes every rank take the same decision.
-            exhausted, signalled = any_rank(
-                [micro_batches is None, self.signals.received is not None], self.accelerator.device
-            )
+            # Ranks receive signals at different moments and hold different shares of the data: all-reduces make
+            # every rank take the same decisions. The signal is agreed on before the next batches are taken, so
+            # that the checkpoint it saves records the data position of the step it saves.
+            (signalled,) = any_rank([self.signals.received is not None], self.accelerator.device)
             if signalled:
                 self.save()
                 stop = Stop(StopReason.STOP_SIGNAL)
-            elif exhausted:
+                break
+            micro_batches = self.data.take(self.config.gradient_accumulation_steps)
+            (exhausted,) = any_rank([micro_batches is None], self.accelerator.device)
+            if exhausted:
                 stop = Stop(StopReason.END_OF_DATA)
-            else:
-                stop = self._step_end(self.train_step(micro_batches))
+                break
+            stop = self._step_end(self.train_step(micro_batches))
         for callback in self.callbacks:
             callback.on_train_end(self, stop)
         if stop.reason is StopReason.END_OF_DATA and self.state.step == 0:
@@ -201,6 +203,25 @@ class Trainer:
             )
 
 
+def metrics_writer(config: PretrainConfig, accelerator) -> MetricsWriter:
+    """metrics.jsonl and the trackers on the main process (trackers started with the resolved recipe), and a
+    Prometheus exporter on every node's local rank 0 for that node's ranks."""
+    from recipes import trackers
+
+    trackers.start(accelerator, config.to_dict(), config.output_dir)
+    exporter = None
+    if config.prometheus_port is not None and accelerator.is_local_main_process:
+        from recipes.monitoring import PrometheusExporter
+
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        node = accelerator.process_index // per_node
+        exporter = PrometheusExporter(config.prometheus_port, node, list(range(node * per_node, (node + 1) * per_node)))
+    uses_trackers = accelerator.is_main_process and bool(accelerator.trackers)
+    return MetricsWriter(
+        config.output_dir, accelerator.is_main_process, exporter, accelerator if uses_trackers else None
+    )
+
+
 def build_trainer(config: PretrainConfig, launch: Launch) -> Trainer:
     """The model, the Trainer with its callbacks and checkpointer, restored from the chosen checkpoint."""
     from recipes import resume, startup
@@ -225,7 +246,7 @@ def build_trainer(config: PretrainConfig, launch: Launch) -> Trainer:
     )  # fmt: skip
     trainer = Trainer(
         config, accelerator, model, optimizer, data=launch.data, checkpointer=checkpointer, signals=launch.signals,
-        metrics=MetricsWriter(run_dir, accelerator.is_main_process, config.prometheus_port), state=state,
+        metrics=metrics_writer(config, accelerator), state=state,
         callbacks=callbacks, eos_id=eos_id, num_parameters=num_params,
     )  # fmt: skip
     if launch.resume_from:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from common.hardware import cpu_has_native_bf16
+
 REPO = Path(__file__).resolve().parent.parent
 CPU_ACCELERATE_CONFIG = REPO / "accelerate_configs" / "zero3_cpu.yaml"
 TINY_RECIPE = REPO / "recipes" / "configs" / "tiny_cpu.yaml"
@@ -56,16 +58,6 @@ def launch_command(script: str | Path, args: list[str], num_processes: int = 2) 
         str(script),
         *args,
     ]
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX. Without them torch emulates bf16 matmuls on the CPU: a 512x512 matmul took 206 ms
-    in bf16 and 2 ms in fp32 on an AVX2-only EPYC, and a tiny-recipe step 3.9 s against 0.5 s."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 # The tiny runs train in bf16, as a 70B run does, where the CPU computes bf16 natively, and in fp32 elsewhere;

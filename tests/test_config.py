@@ -216,3 +216,16 @@ def test_malformed_yaml_in_the_file_or_an_override_names_the_line_or_the_overrid
         load_config(recipe)
     with pytest.raises(ConfigError, match=r"--lr_scheduler_kwargs '\{min_lr: 0': not a valid YAML value \("):
         load_config(REPO / "recipes/configs/tiny_cpu.yaml", ["--lr_scheduler_kwargs", "{min_lr: 0"])
+
+
+def test_an_unknown_key_gets_the_nearest_one_and_where_it_came_from(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"unknown key --learnin_rate on the command line: did you mean learning_rate\?"
+    ):
+        load_config(REPO / "recipes/configs/tiny_cpu.yaml", ["--learnin_rate", "1e-4"])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((REPO / "recipes/configs/tiny_cpu.yaml").read_text() + "save_step: 10\n")
+    with pytest.raises(ConfigError, match=rf"unknown key save_step in {recipe}: did you mean save_steps\?"):
+        load_config(recipe)
+    with pytest.raises(ConfigError, match=r"unknown key --zzz on the command line: `recipes/pretrain.py --help`"):
+        load_config(REPO / "recipes/configs/tiny_cpu.yaml", ["--zzz", "1"])

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eval import fixtures
 from eval.data import BenchmarkDataError, check_gsm8k, check_mmlu, load_gsm8k, load_mmlu_subject
-from eval.harness import BenchmarkSettings, evaluate, task_specs
+from eval.harness import MMLU_SUBJECTS, BenchmarkSettings, evaluate, task_manager
 from eval.in_loop import capture_rng_state, run_benchmarks
 from eval.run import main as run_main
 
@@ -136,22 +136,52 @@ def test_local_tasks_are_lm_evals_own_prompts_and_metrics(data):
     import lm_eval.tasks
     import yaml
 
-    specs = task_specs(BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_csv"]), str(data["gsm8k_jsonl"])))
-    group, gsm8k = specs
-    subject_task = group.get_all_tasks()[0]
+    settings = BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_csv"]), str(data["gsm8k_jsonl"]))
+    manager = task_manager(tuple(sorted(settings.metadata().items())), False)
+    loaded = manager.load(["mmlu_local_elementary_mathematics", "gsm8k_local"])["tasks"]
+    subject_task, gsm8k = loaded["mmlu_local_elementary_mathematics"], loaded["gsm8k_local"]
     root = Path(lm_eval.tasks.__file__).parent
     template = yaml.safe_load((root / "mmlu/default/_default_template_yaml").read_text())
     assert subject_task.config.doc_to_text == template["doc_to_text"]
     assert subject_task.config.fewshot_split == "dev" and subject_task.config.test_split == "test"
+    assert subject_task.config.fewshot_config.sampler == template["fewshot_config"]["sampler"] == "first_n"
     doc = subject_task.test_docs()[0]
     letters = "\n".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", doc["choices"], strict=True))
     assert subject_task.doc_to_text(doc) == f"{doc['question'].strip()}\n{letters}\nAnswer:"
     assert subject_task.doc_to_target(doc) == doc["answer"]
-    assert subject_task.config.description.startswith("The following are multiple choice questions")
+    stock_subject = yaml.safe_load((root / "mmlu/default/mmlu_elementary_mathematics.yaml").read_text())
+    assert subject_task.config.description == stock_subject["description"]
     stock = yaml.safe_load((root / "gsm8k/gsm8k.yaml").read_text())
-    assert gsm8k.config.doc_to_text == stock["doc_to_text"]
-    assert [f["name"] for f in gsm8k.config.filter_list] == ["strict-match", "flexible-extract"]
-    assert gsm8k.config.num_fewshot == 5
+    for key in ("doc_to_text", "fewshot_split", "generation_kwargs", "filter_list", "num_fewshot"):
+        assert getattr(gsm8k.config, key) == stock[key], key
+    assert len(MMLU_SUBJECTS) == 57
+
+
+def test_lm_evals_cli_and_eval_run_give_identical_scores(tmp_path, data, tiny_model_dir):
+    """The shipped task YAMLs through the standard `lm_eval` command and through eval.run: the same numbers."""
+    import subprocess
+    import sys
+
+    metadata = json.dumps({"mmlu_dir": str(data["mmlu_csv"]), "gsm8k_dir": str(data["gsm8k_jsonl"])})
+    tasks = ",".join([*(f"mmlu_local_{s}" for s in fixtures.SUBJECTS), "gsm8k_local"])
+    model_args = f"pretrained={tiny_model_dir},dtype=float32"
+    cli = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args,
+           "--include_path", str(Path("eval/tasks").resolve()), "--tasks", tasks, "--metadata", metadata,
+           "--limit", "3", "--num_fewshot", "5", "--batch_size", "8", "--device", "cpu",
+           "--gen_kwargs", "max_gen_toks=16", "--output_path", str(tmp_path / "cli")]  # fmt: skip
+    completed = subprocess.run(cli, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    (cli_file,) = (tmp_path / "cli").rglob("results_*.json")
+    assert run_main(["--model", str(tiny_model_dir), "--tasks", "mmlu,gsm8k", "--mmlu-dir", str(data["mmlu_csv"]),
+                     "--gsm8k-dir", str(data["gsm8k_jsonl"]), "--limit", "3", "--max-gen-toks", "16",
+                     "--device", "cpu", "--output", str(tmp_path / "run.json")]) == 0  # fmt: skip
+
+    def scores(results):
+        return {task: {k: v for k, v in m.items() if "stderr" not in k and k != "alias"} for task, m in
+                results["results"].items()}  # fmt: skip
+
+    ours, theirs = json.loads((tmp_path / "run.json").read_text()), json.loads(cli_file.read_text())
+    assert scores(ours) == scores(theirs) and set(scores(ours)) == {*tasks.split(",")}
 
 
 def test_standalone_runner_on_both_layouts_writes_lm_eval_results(tmp_path, data, tiny_model_dir, capsys):
@@ -163,18 +193,20 @@ def test_standalone_runner_on_both_layouts_writes_lm_eval_results(tmp_path, data
                          "--output", str(output)])  # fmt: skip
         assert code == 0
         results = json.loads(output.read_text())
-        assert {"mmlu", "mmlu_elementary_mathematics", "mmlu_high_school_computer_science", "gsm8k"} <= set(
-            results["results"]
-        )
-        assert results["n-samples"]["gsm8k"] == {"original": 8, "effective": 4}
-        assert results["n-shot"]["gsm8k"] == 5 and results["n-shot"]["mmlu_elementary_mathematics"] == 5
-        gsm = results["results"]["gsm8k"]
+        expected = {"mmlu_local_elementary_mathematics", "mmlu_local_high_school_computer_science", "gsm8k_local"}
+        assert expected <= set(results["results"])
+        assert results["n-samples"]["gsm8k_local"] == {"original": 8, "effective": 4}
+        assert results["n-shot"]["gsm8k_local"] == 5 and results["n-shot"]["mmlu_local_elementary_mathematics"] == 5
+        gsm = results["results"]["gsm8k_local"]
         assert {"exact_match,strict-match", "exact_match,flexible-extract"} <= set(gsm)
         scores.append({task: metrics.get("acc,none") for task, metrics in results["results"].items()})
     assert scores[0] == scores[1], "the same documents in either layout give the same scores"
     out = capsys.readouterr().out
-    assert "|mmlu" in out and "|gsm8k" in out and "per document" in out
+    assert "elementary_mathematics" in out and "gsm8k_local" in out and "per document" in out
     assert run_main(["--model", str(tiny_model_dir), "--mmlu-dir", str(tmp_path / "no"), "--output", "x.json"]) == 2
+    if not torch.cuda.is_available():  # sharding over GPUs is refused on a machine without them, before loading
+        arguments = ["--model", str(tiny_model_dir), "--gsm8k-dir", str(data["gsm8k_jsonl"]), "--tasks", "gsm8k"]
+        assert run_main([*arguments, "--parallelize", "--output", str(tmp_path / "x.json")]) == 2
 
 
 def test_in_loop_hook_restores_rng_and_training_mode(tmp_path, data, tiny_model_dir):
@@ -196,9 +228,11 @@ def test_in_loop_hook_restores_rng_and_training_mode(tmp_path, data, tiny_model_
     assert torch.equal(before["torch"], after["torch"]) and before["python"] == after["python"]
     assert all(np.array_equal(a, b) for a, b in zip(before["numpy"], after["numpy"], strict=True))
     assert {"mmlu/acc", "gsm8k/exact_match_strict", "gsm8k/exact_match_flexible", "benchmark_seconds"} <= set(scores)
-    assert (
-        json.loads((tmp_path / "eval" / "step-7.json").read_text())["results"]["mmlu"]["acc,none"] == scores["mmlu/acc"]
-    )
+    results = json.loads((tmp_path / "eval" / "step-7.json").read_text())
+    subjects = [f"mmlu_local_{s}" for s in fixtures.SUBJECTS]
+    sizes = [results["n-samples"][task]["effective"] for task in subjects]
+    weighted = sum(results["results"][task]["acc,none"] * n for task, n in zip(subjects, sizes, strict=True))
+    assert scores["mmlu/acc"] == pytest.approx(weighted / sum(sizes)), "weighted by subject size, as lm-eval's group"
     # negative control: lm-eval itself reseeds, so without the hook the state does change
     evaluate(model, tokenizer, settings)
     assert not torch.equal(before["torch"], torch.get_rng_state())

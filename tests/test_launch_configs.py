@@ -40,8 +40,11 @@ def test_shared_zero3_json_holds_the_spec_values():
     zero = ds["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu"
     assert zero["offload_param"]["device"] == "none"
-    assert zero["allgather_partitions"] is True
-    assert zero["allgather_bucket_size"] == 2e8 and zero["reduce_bucket_size"] == 2e8
+    # stage 3 reads these; the source's "allgather_bucket_size 2e8" (a stage 1-2 key) is the prefetch bucket here
+    assert zero["reduce_bucket_size"] == 2e8 and zero["stage3_prefetch_bucket_size"] == 2e8
+    assert zero["stage3_max_live_parameters"] == 1e9 and zero["stage3_max_reuse_distance"] == 1e9
+    assert zero["stage3_param_persistence_threshold"] == 1e5
+    assert not {"allgather_partitions", "allgather_bucket_size"} & set(zero), "stage 1-2 keys that stage 3 ignores"
     assert zero["overlap_comm"] is True
     assert zero["stage3_gather_16bit_weights_on_model_save"] is True
 

@@ -21,8 +21,19 @@ def test_memory_readings_are_plausible():
     assert metrics.peak_gpu_memory_gb() is None or metrics.peak_gpu_memory_gb() >= 0
 
 
+class RecordingTrackers:
+    """Stands in for the accelerator whose trackers (TensorBoard, wandb, MLflow) were started."""
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+
 def test_writer_and_plot(tmp_path):
-    writer = metrics.MetricsWriter(tmp_path, enabled=True)
+    trackers = RecordingTrackers()
+    writer = metrics.MetricsWriter(tmp_path, enabled=True, trackers=trackers)
     for step in range(1, 6):
         writer.write(step, {"loss": 5.0 - step * 0.1, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0})
     writer.write(5, {"eval_loss": 4.7})
@@ -30,7 +41,8 @@ def test_writer_and_plot(tmp_path):
     records = metrics.read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 5]
     assert records[-1] == {"step": 5, "eval_loss": 4.7}
-    assert list((tmp_path / "tensorboard").iterdir()), "TensorBoard event file written"
+    assert trackers.logged[0] == (1, {"loss": 4.9, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0})
+    assert trackers.logged[-1] == (5, {"eval_loss": 4.7}), "the trackers get what metrics.jsonl gets"
     metrics.plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     json.dumps(records)

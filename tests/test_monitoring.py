@@ -3,7 +3,7 @@ import re
 import urllib.request
 
 from recipes import metrics
-from recipes.monitoring import GAUGES, PREFIX, PrometheusExporter
+from recipes.monitoring import PrometheusExporter, exported_names
 from tests.conftest import REPO, free_port
 
 
@@ -13,47 +13,54 @@ def scrape(port: int) -> str:
         return response.read().decode()
 
 
-def test_exporter_serves_the_latest_values_over_loopback():
-    exporter = PrometheusExporter(free_port(), host="127.0.0.1")
+def test_exporter_serves_conventional_names_in_base_units_with_node_and_rank_labels():
+    exporter = PrometheusExporter(free_port(), node=1, ranks=[2, 3], host="127.0.0.1")
     try:
-        exporter.update({"step": 10, "loss": 3.5, "lr": 1e-4, "not_a_gauge": 1.0, "flag": True})
-        exporter.update({"step": 20, "loss": 3.25})
-        exporter.update({"benchmark_score": 0.31}, labels={"task": "mmlu", "metric": "acc"})
+        exporter.update({"step": 10, "loss": 3.5, "lr": 1e-4, "not_a_metric": 1.0, "flag": True})
+        exporter.update({"step": 20, "loss": 3.25, "num_tokens": 81920, "step_time_s": 0.5})
+        exporter.update({"peak_host_memory_gb_per_rank": [1.0, 1.5, 2.0, 2.5]})
+        exporter.update({"mmlu/acc": 0.31})
         text = scrape(exporter.port)
     finally:
         exporter.close()
-    assert "# TYPE pretrain_loss gauge" in text
-    assert re.search(r"^pretrain_step 20\.0$", text, re.M)
-    assert re.search(r"^pretrain_loss 3\.25$", text, re.M)
-    assert re.search(r"^pretrain_lr 0\.0001$", text, re.M)
+    assert "# TYPE pretrain_loss gauge" in text and "# TYPE pretrain_tokens_total counter" in text
+    assert re.search(r'^pretrain_step\{node="1"\} 20\.0$', text, re.M)
+    assert re.search(r'^pretrain_loss\{node="1"\} 3\.25$', text, re.M)
+    assert re.search(r'^pretrain_learning_rate\{node="1"\} 0\.0001$', text, re.M)
+    assert re.search(r'^pretrain_tokens_total\{node="1"\} 81920\.0$', text, re.M)
+    assert re.search(r'^pretrain_step_duration_seconds\{node="1"\} 0\.5$', text, re.M)
+    # this node's ranks only, in bytes
+    assert 'pretrain_peak_host_memory_bytes{node="1",rank="2"} 2e+09' in text
+    assert 'pretrain_peak_host_memory_bytes{node="1",rank="3"} 2.5e+09' in text
+    assert 'rank="0"' not in text
     assert 'pretrain_benchmark_score{metric="acc",task="mmlu"} 0.31' in text
-    assert "not_a_gauge" not in text and "flag" not in text
+    assert "not_a_metric" not in text and "flag" not in text and "_gb" not in text
 
 
 def test_metrics_writer_feeds_the_exporter(tmp_path):
-    port = free_port()
-    writer = metrics.MetricsWriter(tmp_path, enabled=True, prometheus_port=port)
+    exporter = PrometheusExporter(free_port(), host="127.0.0.1")
+    writer = metrics.MetricsWriter(tmp_path, enabled=True, prometheus=exporter)
     try:
         writer.write(5, {"loss": 4.0, "tokens_per_s": 1234.5, "mfu": 0.4})
         writer.write(5, {"last_checkpoint_step": 5})
-        text = scrape(port)
+        text = scrape(exporter.port)
     finally:
         writer.close()
     for line in (
-        "pretrain_step 5.0",
-        "pretrain_loss 4.0",
-        "pretrain_tokens_per_s 1234.5",
-        "pretrain_last_checkpoint_step 5.0",
+        'pretrain_step{node="0"} 5.0',
+        'pretrain_loss{node="0"} 4.0',
+        'pretrain_tokens_per_second{node="0"} 1234.5',
+        'pretrain_last_checkpoint_step{node="0"} 5.0',
     ):
         assert line in text
 
 
-def test_grafana_dashboard_uses_only_exported_metrics():
+def test_grafana_dashboard_uses_exactly_the_exported_metrics():
     dashboard = json.loads((REPO / "monitoring/grafana_dashboard.json").read_text())
     used = {
         re.match(r"[a-z_]+", target["expr"]).group(0) for panel in dashboard["panels"] for target in panel["targets"]
     }
-    exported = {PREFIX + key for key in GAUGES}
+    exported = exported_names()
     assert used == exported, (used - exported, exported - used)
 
 

@@ -81,8 +81,28 @@ def test_shards_cover_many_short_files_and_parquet(tmp_path, num_shards):
     paths.append(str(tmp_path / "rows.parquet"))
     shards = [list(shard_documents(paths, "text", shard, num_shards)) for shard in range(num_shards)]
     seen = list(itertools.chain.from_iterable(shards))
-    assert sorted(seen) == sorted(texts) and len(seen) == len(set(seen))
-    assert max(map(len, shards)) - min(map(len, shards)) <= 3
+    assert sorted(seen) == sorted(texts) and len(seen) == len(set(seen)), "exactly once, by file or by record"
+    if num_shards > len(paths):  # by record: short files are spread over every shard
+        assert max(map(len, shards)) - min(map(len, shards)) <= 3
+
+
+def test_with_enough_files_each_reader_opens_only_its_own(tmp_path, monkeypatch):
+    import data_prep.stream as stream
+
+    paths = []
+    for f in range(7):
+        path = tmp_path / f"part-{f}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"file {f} doc {i}"}) + "\n" for i in range(10)))
+        paths.append(str(path))
+    opened = []
+    original = stream.iter_source_texts
+    monkeypatch.setattr(stream, "iter_source_texts", lambda source, *a: opened.append(source) or original(source, *a))
+    shards = [list(shard_documents(paths, "text", shard, 3)) for shard in range(3)]
+    assert sorted(itertools.chain.from_iterable(shards)) == sorted(
+        f"file {f} doc {i}" for f in range(7) for i in range(10)
+    )
+    assert opened == [*paths[0::3], *paths[1::3], *paths[2::3]], "each file opened once, by its own reader"
+    assert stream.sharding(7, 3) == "file" and stream.sharding(2, 3) == "record"
 
 
 def test_document_position_ids_restart_after_every_eos():

@@ -137,3 +137,34 @@ def test_cli_text_and_errors(capsys):
     assert planner.main(["--config", str(RECIPE_8)]) == 0
     text = capsys.readouterr().out
     assert "13,351,440" in text and "ceiling 5,805" in text and "verdict: fits" in text
+
+
+@pytest.mark.parametrize(
+    ("script", "recipe"),
+    [("llama70b_1x8.sbatch", "llama70b_a800x8.yaml"), ("llama70b_2x8.sbatch", "llama70b_a800x16.yaml")],
+)
+def test_the_sbatch_time_limit_signal_leaves_time_to_finish_a_step_and_save(script, recipe):
+    import re
+
+    lead_s = int(re.search(r"--signal=B:USR1@(\d+)", (REPO / "scripts/slurm" / script).read_text()).group(1))
+    _, plan = plan_for(REPO / "recipes/configs" / recipe)
+    needed = plan.step_time_s + plan.checkpoint_save_s
+    assert needed < lead_s, f"USR1 {lead_s} s before the limit, but a step and a save take ~{needed:.0f} s"
+
+
+def test_the_zero3_knobs_are_counted_as_the_resolved_json_states_them():
+    from recipes.deepspeed_config import resolve_deepspeed_config
+
+    config = load_config(RECIPE_8)
+    resolved = resolve_deepspeed_config(ZERO3, config, 8)
+    plan = planner.make_plan(config, planner.hardware_from(config), resolved, vocab_size=32_000)
+    zero, memory = resolved["zero_optimization"], plan.per_gpu_memory_gb
+    assert memory["reduce_bucket"] == pytest.approx(2 * zero["reduce_bucket_size"] / 1e9, abs=1e-3)
+    assert memory["prefetch_bucket"] == pytest.approx(2 * zero["stage3_prefetch_bucket_size"] / 1e9, abs=1e-3)
+    assert memory["live_parameters"] == pytest.approx(2 * zero["stage3_max_live_parameters"] / 1e9, abs=1e-3)
+    # a JSON with other values moves exactly these terms
+    changed = copy.deepcopy(resolved)
+    changed["zero_optimization"]["stage3_prefetch_bucket_size"] = 5e8
+    bigger = planner.make_plan(config, planner.hardware_from(config), changed, vocab_size=32_000).per_gpu_memory_gb
+    assert bigger["prefetch_bucket"] - memory["prefetch_bucket"] == pytest.approx(0.6, abs=1e-3)
+    assert bigger["reduce_bucket"] == memory["reduce_bucket"]

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from data_prep.preprocess import preprocess
 from recipes.metrics import read_metrics
@@ -134,3 +135,27 @@ def test_raw_text_positions_cannot_move_to_another_world_size(tmp_path, corpus):
     refused = launch(REPO / "recipes/pretrain.py", args, num_processes=1)
     assert refused.returncode != 0
     assert "raw-text data position is per rank" in refused.stderr and "data_prep.preprocess" in refused.stderr
+
+
+def test_export_reads_the_universal_form_when_the_rank_shards_are_gone(tmp_path, uninterrupted, corpus):
+    """A checkpoint kept only in its universal form (after a world-size change) still exports, to the same weights."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from recipes.export import export_checkpoint
+
+    checkpoint = tmp_path / "checkpoint-6"
+    shutil.copytree(uninterrupted / "checkpoint-6", checkpoint)
+    subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+         str(checkpoint / "pytorch_model"), "--output_folder", str(checkpoint / "universal" / "pytorch_model")],
+        check=True, capture_output=True, cwd=REPO,
+    )  # fmt: skip
+    from_shards = export_checkpoint(checkpoint, tmp_path / "from_shards", dtype="float32")
+    for shard in (checkpoint / "pytorch_model").glob("*optim_states.pt"):
+        shard.unlink()
+    from_universal = export_checkpoint(checkpoint, tmp_path / "from_universal", dtype="float32")
+    ours, theirs = load_file(from_shards / "model.safetensors"), load_file(from_universal / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

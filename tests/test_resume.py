@@ -131,10 +131,12 @@ RANK_PATTERN = re.search(r"RANK_PATTERN='([^']+)'", (REPO / "scripts/slurm/run.s
 
 
 @pytest.mark.parametrize("how", ["preemption: SIGTERM to every process", "time limit: USR1 to the ranks"])
-def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, how):
+def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, how, uninterrupted):
+    """...and the relaunch continues exactly: the saved checkpoint's data position is that of its step (it used to
+    include the next step's batches, taken before the signal was agreed on, so a resume skipped them)."""
     output_dir = tmp_path / "preempted"
     log_path = tmp_path / "log.txt"
-    args = [*run_args(corpus, output_dir), "--max_steps", "400", "--save_steps", "100"]
+    args = run_args(corpus, output_dir)
     with open(log_path, "w") as log:
         job = start(launch_command(REPO / "recipes/pretrain.py", args), stdout=log, stderr=log)
         deadline = time.time() + 300
@@ -152,9 +154,13 @@ def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, 
         assert job.returncode == 0, log[-3000:]
     assert "stop signal (SIGTERM/SIGUSR1): saved and exited" in log, log[-3000:]
     step = int(re.search(r"training stopped after (\d+) steps", log).group(1))
-    assert 0 < step < 400
+    assert 0 < step < STEPS
     assert (output_dir / "latest").read_text().strip() == f"checkpoint-{step}"
     assert not (output_dir / "final").exists(), "a preempted run is continued, not exported"
+    relaunch = launch(REPO / "recipes/pretrain.py", args)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert f"checkpoint-{step} at step {step}" in relaunch.stderr
+    assert losses(output_dir) == losses(uninterrupted)
 
 
 def test_early_stopping_exports_the_best_checkpoint(tmp_path, corpus):

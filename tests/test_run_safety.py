@@ -202,7 +202,9 @@ def test_a_busy_metrics_port_is_refused_before_the_model_is_built(tmp_path, corp
         busy.listen()
         port = busy.getsockname()[1]
         result = launch(PRETRAIN, run_args(corpus, tmp_path / "run", prometheus_port=port))
-    assert result.returncode != 0 and f"prometheus_port {port} cannot be served here" in result.stderr
+    assert (
+        result.returncode != 0 and f"prometheus_port {port} cannot be served on {socket.gethostname()}" in result.stderr
+    )
     assert MODEL_WAS_BUILT not in result.stderr
 
 
@@ -225,3 +227,15 @@ def test_a_preprocessed_directory_without_a_global_batch_is_refused(tmp_path, co
     result = launch(PRETRAIN, run_args(corpus, tmp_path / "run", train_files=packed))
     assert result.returncode != 0 and "0 preprocessed rows are fewer than one global batch of 32" in result.stderr
     assert MODEL_WAS_BUILT not in result.stderr
+
+
+def test_a_launch_for_more_gpus_than_the_node_has_stops_naming_both_numbers(tmp_path, corpus):
+    import torch
+
+    env = {key: value for key, value in LAUNCH_ENV.items() if key != "DS_ACCELERATOR"}
+    result = launch(PRETRAIN, run_args(corpus, tmp_path / "run"), env=env)
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs the launch asks for")
+    assert result.returncode != 0
+    assert f"starts 2 processes on this node, but it has {torch.cuda.device_count()} GPU(s)" in result.stderr
+    assert MODEL_WAS_BUILT not in result.stderr and no_recipe_traceback(result.stderr)
