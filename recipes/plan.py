@@ -43,8 +43,9 @@ ALLOCATOR_MARGIN = 0.05  # fragmentation of the caching allocator, on top of eve
 HOST_OVERHEAD_PER_RANK_GB = 4.0  # Python, torch, CUDA host allocations of one training process
 HOST_PER_DATALOADER_WORKER_GB = 0.5  # a worker process with its tokenizer and prefetched rows
 DEEPSPEED_HOST_BUFFER_FACTOR = 1.5  # DeepSpeed's own estimator multiplies host needs by this
-# sha256 of checkpoint files at resume, per rank (hashlib with SHA-NI, files in page cache; measured 0.80-0.84 GB/s
-# on the 2-core development machine). Storage that reads slower per rank bounds it instead.
+# sha256 of checkpoint files at resume, per rank (hashlib with SHA-NI, files in page cache, on the 2-core development
+# machine: 1.14-1.22 GB/s with the machine idle, 0.80-0.84 GB/s with both cores busy; the lower figure, since every
+# rank of a node hashes at once). Storage that reads slower per rank bounds it instead.
 SHA256_GB_PER_S = 0.8
 # Checkpoint write rate per rank to shared storage (an assumption: a parallel filesystem at ~8 GB/s per 8-GPU node;
 # override by reading the save time logged by a smoke run). A save writes, then hashes what it wrote.
