@@ -6,7 +6,10 @@
     `tokenizers` backend's `encode_batch_fast`; the faster counts as the raw ceiling);
 (b) our streaming tokenize-and-pack (`PackedTextStream`, what training reads from raw files), reading the file;
 (c) our offline preprocessing (`data_prep.preprocess`) with 1 and with N worker processes, shards written;
-(d) the `run_clm` approach: `datasets.load_dataset("json")`, `map(tokenize)`, `map(group_texts)`.
+(d) the `run_clm` approach: `datasets.load_dataset("json")`, `map(tokenize)`, `map(group_texts)`;
+(e) (c) with N workers and the filters on: 13-gram decontamination against an index the size of MMLU's and GSM8K's
+    test sets (14,042 + 1,319 items of 50 words drawn from the corpus's vocabulary in random order, so that nothing
+    matches and every document is examined in full) and exact dedup.
 Every rate is the corpus's token count (without EOS) over the wall time of that method.
 
 `--memory-check` also preprocesses a ~10 MB and a ~200 MB corpus (the input's lines repeated) and samples the
@@ -85,10 +88,29 @@ def run_clm_approach(path: str, tokenizer, seq_len: int, cache_dir: str) -> tupl
     return timed(run)
 
 
-def offline_preprocess(path: str, tokenizer_dir: str, seq_len: int, workers: int, output: str) -> tuple[dict, float]:
+def offline_preprocess(path: str, tokenizer_dir: str, seq_len: int, workers: int, output: str,
+                       filters=None) -> tuple[dict, float]:  # fmt: skip
     from data_prep.preprocess import preprocess
 
-    return timed(lambda: preprocess(tokenizer_dir, [path], output, seq_len, workers, log=lambda _: None))
+    return timed(
+        lambda: preprocess(tokenizer_dir, [path], output, seq_len, workers, log=lambda _: None, filters=filters)
+    )
+
+
+BENCHMARK_ITEMS = 14_042 + 1_319  # MMLU test questions + GSM8K test questions
+WORDS_PER_ITEM = 50
+
+
+def benchmark_sized_filters(texts: list[str]):
+    """Filters as a decontaminating run uses them, with an index of the real benchmarks' size."""
+    import random
+
+    from data_prep.filters import FilterSpec, normalized_words
+
+    vocabulary = sorted({word.decode("utf-8", "replace") for text in texts[:2000] for word in normalized_words(text)})
+    rng = random.Random(0)
+    items = [(f"synthetic {i}", " ".join(rng.choices(vocabulary, k=WORDS_PER_ITEM))) for i in range(BENCHMARK_ITEMS)]
+    return FilterSpec(items, 13, dedup=True)
 
 
 def peak_tree_rss_mb(command: list[str]) -> tuple[float, float]:
@@ -130,20 +152,29 @@ def repeated_corpus(source: Path, target: Path, megabytes: float) -> None:
 
 
 def memory_check(path: Path, tokenizer_dir: str, seq_len: int, workers: int, scratch: Path) -> dict:
+    """Peak memory at 10 and 200 MB, plain and with dedup and decontamination (against the small benchmark
+    fixtures: the index's own size is measured by (e)); the 200 MB corpus repeats the input, so dedup drops most."""
+    from eval.fixtures import write as write_benchmarks
+
+    benchmarks = write_benchmarks(scratch / "benchmarks")
+    filters = ["--dedup", "--decontaminate-mmlu-dir", str(benchmarks["mmlu_csv"]), "--decontaminate-gsm8k-dir",
+               str(benchmarks["gsm8k_jsonl"])]  # fmt: skip
     result = {}
     for megabytes in (10, 200):
         corpus = scratch / f"corpus-{megabytes}mb.jsonl"
         repeated_corpus(path, corpus, megabytes)
-        command = [sys.executable, "-m", "data_prep.preprocess", "--tokenizer", tokenizer_dir, "--input", str(corpus),
-                   "--output", str(scratch / f"out-{megabytes}"), "--seq-len", str(seq_len),
-                   "--num-workers", str(workers)]  # fmt: skip
-        peak, seconds = peak_tree_rss_mb(command)
-        result[f"preprocess_peak_rss_mb_{megabytes}mb"] = peak
-        result[f"preprocess_seconds_{megabytes}mb"] = seconds
+        for name, extra in (("preprocess", []), ("filtered", filters)):
+            command = [sys.executable, "-m", "data_prep.preprocess", "--tokenizer", tokenizer_dir, "--input",
+                       str(corpus), "--output", str(scratch / f"{name}-{megabytes}"), "--seq-len", str(seq_len),
+                       "--num-workers", str(workers), *extra]  # fmt: skip
+            peak, seconds = peak_tree_rss_mb(command)
+            result[f"{name}_peak_rss_mb_{megabytes}mb"] = peak
+            result[f"{name}_seconds_{megabytes}mb"] = seconds
         corpus.unlink()
-    result["preprocess_peak_rss_ratio_200_vs_10"] = (
-        result["preprocess_peak_rss_mb_200mb"] / result["preprocess_peak_rss_mb_10mb"]
-    )
+    for name in ("preprocess", "filtered"):
+        result[f"{name}_peak_rss_ratio_200_vs_10"] = (
+            result[f"{name}_peak_rss_mb_200mb"] / result[f"{name}_peak_rss_mb_10mb"]
+        )
     return result
 
 
@@ -157,6 +188,7 @@ def print_table(rate: dict, memory: dict, workers: int) -> None:
         "preprocess_1_worker_tokens_per_s": "(c) offline preprocess, 1 worker",
         "preprocess_tokens_per_s": f"(c) offline preprocess, {workers} workers",
         "run_clm_tokens_per_s": "(d) run_clm: datasets map + group_texts",
+        "preprocess_filtered_tokens_per_s": f"(e) (c) + decontamination + dedup, {workers} w.",
     }
     for key, label in labels.items():
         print(f"{label:<44}{rate[key]:>12,.0f}{rate[key] / rate['raw_tokenizer_tokens_per_s']:>8.2f}")
@@ -164,18 +196,24 @@ def print_table(rate: dict, memory: dict, workers: int) -> None:
         print(
             f"preprocess peak memory (main + workers): {memory['preprocess_peak_rss_mb_10mb']:.0f} MB at 10 MB, "
             f"{memory['preprocess_peak_rss_mb_200mb']:.0f} MB at 200 MB "
-            f"({memory['preprocess_peak_rss_ratio_200_vs_10']:.2f}x)"
+            f"({memory['preprocess_peak_rss_ratio_200_vs_10']:.2f}x); with dedup and decontamination "
+            f"{memory['filtered_peak_rss_mb_10mb']:.0f} MB and {memory['filtered_peak_rss_mb_200mb']:.0f} MB "
+            f"({memory['filtered_peak_rss_ratio_200_vs_10']:.2f}x)"
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="a jsonl file with a 'text' field")
     parser.add_argument("--tokenizer", required=True, help="a fast tokenizer directory")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="N for the N-worker preprocess")
     parser.add_argument("--memory-check", action="store_true", help="also compare peak memory at 10 MB and 200 MB")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from transformers import AutoTokenizer
 
     from data_prep.readers import iter_texts
@@ -191,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         one, one_s = offline_preprocess(args.input, args.tokenizer, args.seq_len, 1, f"{scratch}/pre-1")
         many, many_s = offline_preprocess(args.input, args.tokenizer, args.seq_len, args.workers, f"{scratch}/pre-n")
         assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in many["shards"]]
+        filters = benchmark_sized_filters(texts)
+        filtered, filtered_s = offline_preprocess(args.input, args.tokenizer, args.seq_len, args.workers,
+                                                  f"{scratch}/pre-f", filters)  # fmt: skip
         memory = (
             memory_check(Path(args.input), args.tokenizer, args.seq_len, args.workers, Path(scratch))
             if (args.memory_check)
@@ -206,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         "run_clm_tokens_per_s": tokens / run_clm_s,
         "preprocess_1_worker_tokens_per_s": tokens / one_s,
         "preprocess_tokens_per_s": tokens / many_s,
+        # the same denominator as (c): the corpus's tokens, though duplicates are dropped from the output
+        "preprocess_filtered_tokens_per_s": tokens / filtered_s,
     }
     result = {
         **rate,
@@ -213,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline_vs_raw": rate["pipeline_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],
         "preprocess_n_vs_1_worker": rate["preprocess_tokens_per_s"] / rate["preprocess_1_worker_tokens_per_s"],
         "run_clm_vs_raw": rate["run_clm_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],
+        "filtered_vs_plain_preprocess": rate["preprocess_filtered_tokens_per_s"] / rate["preprocess_tokens_per_s"],
+        "filtered_dropped": {k: filtered["skipped"][k] for k in ("contaminated", "duplicate")},
         "corpus_mb": Path(args.input).stat().st_size / 1e6,
         "corpus_tokens": tokens,
         "vocab_size": len(tokenizer),

@@ -30,8 +30,9 @@ def fixed_batches(micro_batches):
     from recipes.train_data import TrainData
 
     class FixedBatches(TrainData):
-        def __init__(self):
+        def __init__(self):  # TrainData's own would open a data source; set what the loop and logging read
             self.micro_batches = micro_batches
+            self.mixture = None
 
         def take(self, count):
             return self.micro_batches[:count]

@@ -39,7 +39,7 @@ def split_text(text: str, max_chars: int) -> list[str]:
     pieces, start = [], 0
     while len(text) - start > max_chars:
         end = start + max_chars
-        cut = next((i for i in range(end, start, -1) if text[i].isspace() and not text[i + 1].isspace()), end)
+        cut = next((i for i in range(end, start, -1) if text[i].isspace() and not text[i + 1 : i + 2].isspace()), end)
         pieces.append(text[start:cut])
         start = cut
     pieces.append(text[start:])

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eval.data import mmlu_layout
+from data_prep.benchmark_files import mmlu_layout
 
 logger = logging.getLogger("eval")
 SUPPORTED_TASKS = ("mmlu", "gsm8k")
@@ -38,7 +38,7 @@ class BenchmarkSettings:
 
     def check(self) -> None:
         """Before any expensive work: known task names, and local data that loads."""
-        from eval.data import check_gsm8k, check_mmlu
+        from data_prep.benchmark_files import check_gsm8k, check_mmlu
 
         unknown = [task for task in self.tasks if task not in SUPPORTED_TASKS]
         if unknown:

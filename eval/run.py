@@ -19,8 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
+from data_prep.benchmark_files import BenchmarkDataError
 from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
-from eval.data import BenchmarkDataError
 from eval.harness import BenchmarkSettings, evaluate, format_table, write_results
 
 

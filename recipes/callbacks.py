@@ -104,6 +104,9 @@ class MetricLogger(Callback):
             return
         self.latest = self.window_record(trainer, result.lr)
         self.latest["num_tokens"] = trainer.state.num_tokens
+        mixture_tokens = trainer.data.mixture_tokens()
+        if mixture_tokens is not None:
+            self.latest["mixture_tokens"] = mixture_tokens
         trainer.metrics.write(trainer.state.step, self.latest)
         trainer.window.reset()
 

@@ -44,7 +44,9 @@ MODEL_CONFIG_KEYS: dict[str, type] = {
     "hidden_act": str,
 }
 
-HARDWARE_KEYS = ("gpus", "nodes", "gpu_memory_gb", "host_memory_gb", "mfu")
+HARDWARE_KEYS = ("gpus", "nodes", "gpu_memory_gb", "host_memory_gb", "mfu", "profile", "interconnect",
+                 "intra_node_gb_s", "inter_node_gbps", "host_link_gb_s", "host_memory_gb_s", "compute_efficiency",
+                 "overlap")  # fmt: skip
 
 
 @dataclass
@@ -55,13 +57,28 @@ class PretrainConfig:
     tokenizer_name_or_path: str = field(
         metadata={"help": "Local tokenizer directory (or hub name when online); the model's vocabulary must cover it."}
     )
-    train_files: list[str] = field(
+    train_files: list[str] | None = field(
+        default=None,
         metadata={
             "help": (
                 "Local jsonl / parquet / txt files (optionally .gz / .zst), a hub dataset name when online, or "
-                "one directory written by `python -m data_prep.preprocess` (recognised by its manifest.json)."
+                "one directory written by `python -m data_prep.preprocess` (recognised by its manifest.json). "
+                "Exclusive with train_mixture."
             )
-        }
+        },
+    )
+    train_mixture: list[dict[str, Any]] | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Weighted preprocessed directories, [{path: DIR, weight: w}, ...], blended in exact proportions "
+                "(set train_files: null)."
+            )
+        },
+    )
+    mixture_exhausted: str = field(
+        default="repeat",
+        metadata={"help": "When a train_mixture source runs out: repeat (its next epoch) or stop (end the run)."},
     )
     model_config: dict[str, Any] = field(
         default_factory=dict,
@@ -252,7 +269,11 @@ class PretrainConfig:
     )
     hardware: dict[str, Any] = field(
         default_factory=dict,
-        metadata={"help": "What `recipes.plan` assumes: gpus, nodes, gpu_memory_gb, host_memory_gb (per node), mfu."},
+        metadata={
+            "help": "What `recipes.plan` assumes: gpus, nodes, gpu_memory_gb, host_memory_gb (per node), "
+            "profile (a800-pcie, a800-sxm, a100-pcie, a100-sxm, h100-sxm, h200-sxm), interconnect "
+            "(ib100..ib800), overrides of the profile's bandwidths, or a fixed mfu."
+        },
     )
     overwrite_output_dir: bool = field(
         default=False,
@@ -490,8 +511,7 @@ def validate_static(config: PretrainConfig) -> None:
         "num_train_epochs",
         "gradient_checkpointing_layers_per_checkpoint",
     )
-    if not config.train_files:
-        raise ConfigError("train_files is empty: name at least one jsonl, parquet or txt file")
+    _validate_training_data(config)
     _validate_optimizer(config)
     if config.hang_timeout_s is not None and not 0 < config.hang_timeout_s < math.inf:
         raise ConfigError("hang_timeout_s must be a positive number of seconds, or null to turn the watchdog off")
@@ -507,6 +527,34 @@ def validate_static(config: PretrainConfig) -> None:
     _validate_schedule(config)
     _validate_intervals(config)
     _validate_model_source(config)
+
+
+def _validate_training_data(config: PretrainConfig) -> None:
+    """train_files or train_mixture, not both; a mixture of {path, weight} entries with weights that blend."""
+    if config.train_files is not None and config.train_mixture is not None:
+        raise ConfigError("train_files and train_mixture are both set: a recipe with a mixture sets train_files: null")
+    if config.train_mixture is None:
+        if not config.train_files:
+            raise ConfigError("train_files is empty: name at least one jsonl, parquet or txt file (or a train_mixture)")
+        return
+    if not config.train_mixture:
+        raise ConfigError("train_mixture is empty: give [{path: DIR, weight: w}, ...]")
+    for index, entry in enumerate(config.train_mixture):
+        if set(entry) != {"path", "weight"} or not isinstance(entry["path"], str):
+            raise ConfigError(f"train_mixture[{index}]: expected {{path: DIR, weight: w}}, got keys {sorted(entry)}")
+        entry["weight"] = _coerce(f"train_mixture[{index}].weight", entry["weight"], float)
+    if config.num_train_epochs != 1:
+        raise ConfigError(
+            "train_mixture: num_train_epochs must be 1 (mixture_exhausted says what a source does at its end)"
+        )
+    if config.mixture_exhausted not in ("repeat", "stop"):
+        raise ConfigError(f"mixture_exhausted {config.mixture_exhausted!r} is not one of ['repeat', 'stop']")
+    from data_prep.mixture import MixtureError, exact_weights
+
+    try:
+        exact_weights([entry["weight"] for entry in config.train_mixture])
+    except MixtureError as error:
+        raise ConfigError(f"train_mixture: {error}") from None
 
 
 def _validate_optimizer(config: PretrainConfig) -> None:

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -161,7 +162,7 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
     yet), then the summary, report and loss plot. The main process writes; the other ranks are done."""
     from accelerate.utils import gather_object
 
-    from recipes.metrics import peak_host_memory_gb, write_run_outputs
+    from recipes.metrics import peak_host_memory_gb, plan_vs_measured, read_metrics, write_run_outputs
     from recipes.run_state import StopReason
 
     state, run_dir = trainer.state, Path(config.output_dir)
@@ -169,7 +170,8 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
     if stop.reason is StopReason.EARLY_STOPPING and state.best_checkpoint:
         source = run_dir / state.best_checkpoint
         logger.info("exporting the best checkpoint, %s, to final/", state.best_checkpoint)
-    peaks = gather_object([peak_host_memory_gb()])  # a collective
+    peaks_by_host = gather_object([(socket.gethostname(), peak_host_memory_gb())])  # a collective
+    peaks = [peak for _, peak in peaks_by_host]
     if not trainer.accelerator.is_main_process:
         return
     dtype = "bfloat16" if config.bf16 else "float16" if config.fp16 else "float32"
@@ -181,6 +183,12 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
         num_parameters=trainer.num_parameters, peak_host_memory_gb_per_rank=peaks,
         attn_implementation=launch.inputs.attn_implementation,
     )  # fmt: skip
+    per_host: dict[str, float] = {}
+    for host, peak in peaks_by_host:
+        per_host[host] = per_host.get(host, 0.0) + peak
+    summary["plan_vs_measured"] = plan_vs_measured(
+        launch.inputs.predictions, read_metrics(run_dir / "metrics.jsonl"), per_host
+    )
     write_run_outputs(run_dir, final_dir, summary)
 
 

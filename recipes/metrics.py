@@ -149,6 +149,48 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
+PLAN_QUANTITIES = {
+    "step_time_s": "step time (s)",
+    "tokens_per_s": "tokens/s (all ranks)",
+    "peak_gpu_memory_gb": "peak GPU memory per GPU (GB)",
+    "peak_host_memory_gb_per_node": "peak host memory per node (GB)",
+}
+
+
+def plan_vs_measured(predictions: dict[str, float | None], records: list[dict[str, Any]],
+                     host_peaks_gb: dict[str, float]) -> list[dict[str, Any]]:  # fmt: skip
+    """Each planned quantity beside what the run measured: the median step time and tokens/s over the logged
+    windows (the first window, which includes start-up, is left out when there are others), the largest peak GPU
+    memory any rank logged, and the largest per-node sum of the ranks' peak resident memory."""
+    train = [r for r in records if "tokens_per_s" in r]
+    steady = train[1:] or train
+    gpu = [r["peak_gpu_memory_gb"] for r in records if r.get("peak_gpu_memory_gb")]
+    measured = {
+        "step_time_s": _median([r["step_time_s"] for r in steady]) if steady else None,
+        "tokens_per_s": _median([r["tokens_per_s"] for r in steady]) if steady else None,
+        "peak_gpu_memory_gb": max(gpu) if gpu else None,
+        "peak_host_memory_gb_per_node": max(host_peaks_gb.values()) if host_peaks_gb else None,
+    }
+    return [
+        {"quantity": key, "plan": predictions.get(key), "measured": measured[key],
+         "ratio": measured[key] / predictions[key] if measured[key] and predictions.get(key) else None}
+        for key in PLAN_QUANTITIES
+    ]  # fmt: skip
+
+
+def _plan_table(rows: list[dict[str, Any]]) -> list[str]:
+    def cell(value, digits=2):
+        return "n/a" if value is None else f"{value:,.{digits}f}"
+
+    lines = ["", "## Plan vs measured", "", "| quantity | plan | measured | measured / plan |", "|---|---:|---:|---:|"]
+    for row in rows:
+        lines.append(f"| {PLAN_QUANTITIES[row['quantity']]} | {cell(row['plan'])} | {cell(row['measured'])} | "
+                     f"{cell(row['ratio'])} |")  # fmt: skip
+    lines.append("")
+    lines.append("n/a: not planned (no peak or hardware profile) or not measurable here (no CUDA).")
+    return lines
+
+
 def run_report(output_dir: str | Path) -> str:
     """A short Markdown report of a run from its metrics.jsonl and run_summary.json."""
     output_dir = Path(output_dir)
@@ -197,6 +239,8 @@ def run_report(output_dir: str | Path) -> str:
             f"- benchmark time: {timed[-1]['benchmark_seconds']:.1f} s per evaluation, "
             f"{timed[-1]['benchmark_seconds_per_document']:.2f} s per document (all ranks run every document)"
         )
+    if summary.get("plan_vs_measured"):
+        lines += _plan_table(summary["plan_vs_measured"])
     return "\n".join(lines) + "\n"
 
 

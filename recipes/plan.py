@@ -1,7 +1,10 @@
 """Plan before you spend: memory, time and cost of a recipe on given hardware.
 
     python -m recipes.plan --config recipes/configs/llama70b_a800x8.yaml [--gpus 8] [--nodes 1]
-        [--gpu-memory-gb 80] [--host-memory-gb 1536] [--peak-tflops 312] [--mfu 0.45] [--json] [--key value ...]
+        [--gpu-memory-gb 80] [--host-memory-gb 1536] [--peak-tflops 312] [--profile a800-pcie]
+        [--interconnect ib200] [--intra-node-gb-s 20] [--inter-node-gbps 200] [--host-link-gb-s 20]
+        [--host-memory-gb-s 200] [--compute-efficiency 0.6] [--overlap 0.3] [--mfu 0.45]
+        [--search] [--days N] [--json] [--key value ...]
 
 Hardware defaults come from the recipe's `hardware` block; recipe keys are overridden as in
 pretrain.py (`--total_tokens 2e12`). Pure arithmetic: nothing is allocated, so a 70B plan prints
@@ -9,12 +12,15 @@ in well under a second, and `recipes/pretrain.py` runs the same plan as its pref
 
 Sources of the terms: ZeRO-3 model states as DeepSpeed's `estimate_zero3_model_states_mem_needs`
 counts them; activations per Korthikanti et al. 2022 (34·s·b·h bytes per layer in 16-bit with a
-fused attention kernel, no s² term); FLOPs per token 6N + 12·L·s·h (PaLM, appendix B).
+fused attention kernel, no s² term); FLOPs per token 6N + 12·L·s·h (PaLM, appendix B). Step time from the
+communication model of `recipes.step_time` on the hardware profile's wires; `--mfu` replaces it with a
+fixed utilisation.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +38,16 @@ from recipes.config import (
     warmup_fraction,
 )
 from recipes.deepspeed_config import load_deepspeed_json, offloads
+from recipes.step_time import (
+    GPU_PROFILES,
+    INTERCONNECT_EFFICIENCY,
+    StepTime,
+    Workload,
+    Zero3,
+    chinchilla,
+    step_time,
+    wires_from,
+)
 
 GB = 1e9
 DEFAULT_DEEPSPEED_JSON = Path(__file__).resolve().parent.parent / "accelerate_configs" / "deepspeed" / "zero3.json"
@@ -52,6 +68,12 @@ SHA256_GB_PER_S = 0.8
 CHECKPOINT_WRITE_GB_PER_S_PER_RANK = 1.0
 
 
+DEFAULT_MFU = 0.45  # without a hardware profile: the utilisation published large runs reach
+
+WIRE_KEYS = ("intra_node_gb_s", "inter_node_gbps", "host_link_gb_s", "host_memory_gb_s", "compute_efficiency",
+             "overlap")  # fmt: skip
+
+
 @dataclass
 class Hardware:
     gpus: int
@@ -59,11 +81,28 @@ class Hardware:
     gpu_memory_gb: float | None
     host_memory_gb: float | None
     peak_tflops: float | None
-    mfu: float
+    mfu: float | None  # a fixed utilisation, in place of the communication model
+    profile: str | None = None  # recipes.step_time.GPU_PROFILES
+    interconnect: str | None = None  # ib100, ib200, ib400, ib800 (between nodes)
+    wires: dict = field(default_factory=dict)  # overrides of the profiles' numbers (WIRE_KEYS)
 
     @property
     def gpus_per_node(self) -> int:
         return self.gpus // self.nodes
+
+    def step_model(self):
+        """The profile's wires with this hardware's overrides; None without a profile."""
+        if not self.profile:
+            return None
+        overrides = dict(self.wires)
+        if overrides.get("inter_node_gbps"):
+            overrides["inter_node_gb_s"] = overrides.pop("inter_node_gbps") / 8 * INTERCONNECT_EFFICIENCY
+        overrides.pop("inter_node_gbps", None)
+        wires = wires_from(self.profile, self.interconnect, peak_tflops=self.peak_tflops, **overrides)
+        if self.nodes > 1 and wires.inter_node_gb_s is None:
+            raise ConfigError(f"{self.nodes} nodes need an interconnect (hardware.interconnect, --interconnect "
+                              "ib100|ib200|ib400|ib800, or --inter-node-gbps)")  # fmt: skip
+        return wires
 
 
 @dataclass
@@ -71,6 +110,7 @@ class Plan:
     params: int
     largest_layer_params: int
     num_layers: int
+    vocab_size: int
     total_steps: int
     warmup_fraction: float
     flops_per_token: float
@@ -83,6 +123,13 @@ class Plan:
     peak_tokens_per_s: float | None
     expected_tokens_per_s: float | None
     step_time_s: float | None
+    step_time_breakdown_s: dict[str, float] | None  # per micro-batch: compute, communication,
+    # exposed_communication; per step: optimizer (CPU Adam and the upload of the updated parameters)
+    predicted_mfu: float | None
+    bound: str | None  # "compute" or "communication", per micro-batch
+    modelled_step_s: float | None
+    accumulation: int
+    wires: dict[str, float]
     expected_days: float | None
     gpu_hours: float | None
     checkpoint_gb: float
@@ -149,6 +196,8 @@ def model_shape(config: PretrainConfig, warnings: list[str]) -> dict[str, Any]:
 
 
 def hardware_from(config: PretrainConfig, **overrides) -> Hardware:
+    """The recipe's `hardware` block with command-line overrides (None: not given). Wire numbers (WIRE_KEYS) may
+    come in either."""
     block = dict(config.hardware)
     values = {
         "gpus": block.get("gpus", 8),
@@ -156,14 +205,33 @@ def hardware_from(config: PretrainConfig, **overrides) -> Hardware:
         "gpu_memory_gb": block.get("gpu_memory_gb", 80),
         "host_memory_gb": block.get("host_memory_gb"),
         "peak_tflops": config.peak_tflops_per_device,
-        "mfu": block.get("mfu", 0.45),
+        "mfu": block.get("mfu"),
+        "profile": block.get("profile"),
+        "interconnect": block.get("interconnect"),
     }
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    hardware = Hardware(**values)
+    wires = {key: block[key] for key in WIRE_KEYS if block.get(key) is not None}
+    wires.update({key: overrides.pop(key) for key in WIRE_KEYS if overrides.get(key) is not None})
+    values.update({k: v for k, v in overrides.items() if v is not None and k not in WIRE_KEYS})
+    hardware = Hardware(**values, wires=wires)
+    if hardware.profile and hardware.profile not in GPU_PROFILES:
+        raise ConfigError(f"hardware profile {hardware.profile!r} is not one of {', '.join(sorted(GPU_PROFILES))}")
+    if hardware.peak_tflops is None and hardware.profile:
+        hardware.peak_tflops = GPU_PROFILES[hardware.profile].peak_tflops
+    if hardware.mfu is None and not hardware.profile:
+        hardware.mfu = DEFAULT_MFU
     if hardware.gpus % hardware.nodes:
         raise ConfigError(f"--gpus {hardware.gpus} is not divisible by --nodes {hardware.nodes}")
-    if not 0 < hardware.mfu <= 1:
+    if hardware.mfu is not None and not 0 < hardware.mfu <= 1:
         raise ConfigError(f"--mfu {hardware.mfu} must lie in (0, 1]")
+    for key, value in wires.items():
+        low_ok = value >= 0 if key == "overlap" else value > 0
+        if not low_ok or (key in ("compute_efficiency", "overlap") and value > 1):
+            valid = "in [0, 1]" if key == "overlap" else "in (0, 1]" if key == "compute_efficiency" else "positive"
+            raise ConfigError(f"--{key.replace('_', '-')} {value}: must be {valid}")
+    try:
+        hardware.step_model()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return hardware
 
 
@@ -215,6 +283,9 @@ def gpu_memory_terms(config: PretrainConfig, shape: dict[str, Any], params: int,
     memory["reduce_bucket"] = 2 * float(zero.get("reduce_bucket_size", 5e8)) / GB
     memory["prefetch_bucket"] = 2 * float(zero.get("stage3_prefetch_bucket_size", 5e7)) / GB
     memory["live_parameters"] = 2 * min(float(zero.get("stage3_max_live_parameters", 1e9)), params) / GB
+    hpz = int(zero.get("zero_hpz_partition_size", 1))
+    if hpz > 1:  # ZeRO++: a second bf16 copy of the parameters, partitioned over the node's GPUs only
+        memory["hpz_secondary_partition"] = 2 * params / hpz / GB
     per_layer_activations = ACTIVATION_BYTES_PER_SBH * seq * micro * hidden
     if config.gradient_checkpointing:
         per_checkpoint = config.gradient_checkpointing_layers_per_checkpoint
@@ -241,17 +312,80 @@ def host_memory_terms(config: PretrainConfig, params: int, hardware: Hardware, d
     return {k: round(v, 3) for k, v in host.items()}
 
 
-def time_terms(config: PretrainConfig, hardware: Hardware, flops_per_token: float) -> tuple:
-    """(ceiling tokens/s, expected tokens/s, step seconds, days, GPU-hours); all None without a peak. MFU counts
-    useful FLOPs only: recomputation is extra hardware work (one more forward)."""
-    if not hardware.peak_tflops:
+def module_sizes(shape: dict[str, Any]) -> list[tuple[int, int]]:
+    """(how many, parameters each) of every module with weights in a Llama: what ZeRO-3 partitions and gathers."""
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    heads = shape["num_attention_heads"]
+    kv_dim = (shape.get("num_key_value_heads") or heads) * (hidden // heads)
+    embeddings = [(1 if shape.get("tie_word_embeddings") else 2, shape["vocab_size"] * hidden)]
+    per_layer = [(2, hidden * hidden), (2, hidden * kv_dim), (3, hidden * shape["intermediate_size"]), (2, hidden)]
+    return [*embeddings, *((count * layers, size) for count, size in per_layer), (1, hidden)]
+
+
+def predicted_step(config: PretrainConfig, hardware: Hardware, ds_config: dict[str, Any], shape: dict[str, Any],
+                   params: int, flops_per_token: float) -> StepTime | None:  # fmt: skip
+    """The communication model's step (None without a hardware profile or a peak)."""
+    wires = hardware.step_model()
+    if wires is None or not hardware.peak_tflops:
+        return None
+    zero = Zero3.from_json(ds_config)
+    world, micro = hardware.gpus, config.per_device_train_batch_size
+    rows = config.resolved_global_batch_size(world)
+    sizes = module_sizes(shape)
+    layer_params = sum(count * size for count, size in sizes[1:-1]) // shape["num_hidden_layers"]
+    recompute = 4 / 3 if config.gradient_checkpointing else 1.0
+    work = Workload(
+        params=params,
+        persistent_params=sum(count * size for count, size in sizes if size < zero.persistence_threshold),
+        layer_params=layer_params,
+        layers_per_checkpoint=config.gradient_checkpointing_layers_per_checkpoint if config.gradient_checkpointing
+        else 0,
+        hardware_flops_per_token=flops_per_token * recompute,
+        useful_flops_per_token=flops_per_token,
+        tokens_per_micro_batch=micro * config.max_seq_length,
+        accumulation=rows // (micro * world),
+        gpus=world,
+        nodes=hardware.nodes,
+    )  # fmt: skip
+    return step_time(work, zero, wires)
+
+
+def time_terms(config: PretrainConfig, hardware: Hardware, flops_per_token: float, step: StepTime | None) -> tuple:
+    """(ceiling tokens/s, expected tokens/s, step seconds, days, GPU-hours); all None without a peak. The expected
+    rate is the communication model's step, or the fixed `mfu` when one is given. MFU counts useful FLOPs only:
+    recomputation is extra hardware work (one more forward)."""
+    if not hardware.peak_tflops or (step is None and hardware.mfu is None):
         return None, None, None, None, None
     world, rows = hardware.gpus, config.resolved_global_batch_size(hardware.gpus)
     tokens = config.total_steps(world) * rows * config.max_seq_length
     peak = world * hardware.peak_tflops * 1e12 / flops_per_token
-    expected = peak * hardware.mfu
+    expected = peak * hardware.mfu if hardware.mfu is not None else rows * config.max_seq_length / step.step
     days = tokens / expected / 86_400
     return peak, expected, rows * config.max_seq_length / expected, days, days * 24 * world
+
+
+def _wire_numbers(hardware: Hardware) -> dict[str, float]:
+    wires = hardware.step_model()
+    if wires is None:
+        return {}
+    numbers = {"peak TFLOPs": wires.peak_tflops, "intra-node GB/s": wires.intra_node_gb_s,
+               "inter-node GB/s": wires.inter_node_gb_s, "host link GB/s": wires.host_link_gb_s,
+               "host memory GB/s": wires.host_memory_gb_s, "compute efficiency": wires.compute_efficiency,
+               "overlap": wires.overlap}  # fmt: skip
+    return {key: round(value, 3) for key, value in numbers.items() if value is not None}
+
+
+def checkpoint_terms(config: PretrainConfig, params: int, world: int) -> dict[str, float]:
+    checkpoint_gb = (2 * params + 12 * params) / GB  # bf16 weights + fp32 master and Adam moments
+    keep = (config.save_total_limit or 1) + 1  # the new checkpoint is complete before the oldest goes
+    return {
+        "checkpoint_gb": round(checkpoint_gb, 1),
+        "checkpoint_disk_gb": round(checkpoint_gb * keep, 1),
+        "checkpoint_verify_s": round(checkpoint_gb / (world * SHA256_GB_PER_S), 1),  # every rank hashes its share
+        "checkpoint_save_s": round(
+            checkpoint_gb / world * (1 / CHECKPOINT_WRITE_GB_PER_S_PER_RANK + 1 / SHA256_GB_PER_S), 1
+        ),
+    }
 
 
 def make_plan(
@@ -278,15 +412,14 @@ def make_plan(
 
     flops = training_flops_per_token(params, shape["num_hidden_layers"], seq, shape["hidden_size"])
     total_steps = config.total_steps(world)
-    peak, expected, step_time, days, gpu_hours = time_terms(config, hardware, flops)
+    modelled = predicted_step(config, hardware, ds_config, shape, params, flops)
+    peak, expected, step_seconds, days, gpu_hours = time_terms(config, hardware, flops, modelled)
 
-    checkpoint_gb = (2 * params + 12 * params) / GB  # bf16 weights + fp32 master and Adam moments
-    verify_s = checkpoint_gb / (world * SHA256_GB_PER_S)  # every rank hashes its share
-    keep = (config.save_total_limit or 1) + 1  # the new checkpoint is complete before the oldest goes
     plan = Plan(
         params=params,
         largest_layer_params=largest,
         num_layers=shape["num_hidden_layers"],
+        vocab_size=shape["vocab_size"],
         total_steps=total_steps,
         warmup_fraction=warmup_fraction(config, world),
         flops_per_token=flops,
@@ -298,15 +431,16 @@ def make_plan(
         deepspeed_host_estimate_gb=round(deepspeed_host, 3),
         peak_tokens_per_s=peak,
         expected_tokens_per_s=expected,
-        step_time_s=step_time,
+        step_time_s=step_seconds,
+        step_time_breakdown_s=modelled.breakdown() if modelled else None,
+        predicted_mfu=modelled.predicted_mfu if modelled else None,
+        bound=modelled.bound if modelled else None,
+        modelled_step_s=modelled.step if modelled else None,
+        accumulation=config.resolved_global_batch_size(world) // (config.per_device_train_batch_size * world),
+        wires=_wire_numbers(hardware),
         expected_days=days,
         gpu_hours=gpu_hours,
-        checkpoint_gb=round(checkpoint_gb, 1),
-        checkpoint_disk_gb=round(checkpoint_gb * keep, 1),
-        checkpoint_verify_s=round(verify_s, 1),
-        checkpoint_save_s=round(
-            checkpoint_gb / world * (1 / CHECKPOINT_WRITE_GB_PER_S_PER_RANK + 1 / SHA256_GB_PER_S), 1
-        ),
+        **checkpoint_terms(config, params, world),
         fits=True,
         warnings=warnings,
         hardware=asdict(hardware),
@@ -350,7 +484,7 @@ def _judge(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens
             f"the target of {target_tokens_per_s:,.0f} tokens/s is {target_tokens_per_s / plan.peak_tokens_per_s:.1f}x "
             f"the physical ceiling of {plan.peak_tokens_per_s:,.0f} tokens/s at 100% MFU"
         )
-    if hardware.mfu > 0.6:
+    if hardware.mfu is not None and hardware.mfu > 0.6:
         plan.warnings.append(f"MFU {hardware.mfu:.0%} is above what published large runs reach (45-55%)")
     if not 0.001 <= plan.warmup_fraction <= 0.1:
         plan.warnings.append(
@@ -361,9 +495,19 @@ def _judge(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens
         plan.warnings.append("gradient checkpointing is off for a >1B model: activations dominate memory")
     if plan.expected_days and plan.expected_days > 365:
         plan.warnings.append(
-            f"the token budget takes {plan.expected_days / 365:.1f} years at {hardware.mfu:.0%} MFU on "
-            f"{hardware.gpus} GPUs"
+            f"the token budget takes {plan.expected_days / 365:.1f} years at "
+            f"{hardware.mfu if hardware.mfu is not None else plan.predicted_mfu:.0%} MFU on {hardware.gpus} GPUs"
         )
+
+
+def plan_predictions(plan: Plan) -> dict[str, float | None]:
+    """What a run measures too, under the names its metrics use (recipes.metrics.plan_vs_measured)."""
+    return {
+        "step_time_s": plan.step_time_s,
+        "tokens_per_s": plan.expected_tokens_per_s,
+        "peak_gpu_memory_gb": plan.per_gpu_memory_gb["total"],
+        "peak_host_memory_gb_per_node": plan.host_memory_per_node_gb,
+    }
 
 
 def format_plan(plan: Plan, config: PretrainConfig) -> str:
@@ -375,10 +519,13 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
         f"  FLOPs per token: {plan.flops_per_token / 1e9:.0f} G "
         f"({plan.hardware_flops_per_token / 1e9:.0f} G with recomputation)",
     ]
+    if plan.step_time_breakdown_s:
+        lines += format_breakdown(plan)
     if plan.peak_tokens_per_s:
+        at = f"{h['mfu']:.0%} MFU (--mfu)" if h["mfu"] is not None else f"the modelled {plan.predicted_mfu:.1%} MFU"
         lines += [
             f"  tokens/s: ceiling {plan.peak_tokens_per_s:,.0f} at 100% MFU; expected "
-            f"{plan.expected_tokens_per_s:,.0f} at {h['mfu']:.0%} ({plan.expected_tokens_per_s / h['gpus']:,.0f}/GPU)",
+            f"{plan.expected_tokens_per_s:,.0f} at {at} ({plan.expected_tokens_per_s / h['gpus']:,.0f}/GPU)",
             f"  step time: {plan.step_time_s:.1f} s; total: {plan.expected_days:,.0f} days "
             f"({plan.expected_days / 365:.1f} years), {plan.gpu_hours / 1e6:.2f}M GPU-hours",
         ]
@@ -398,6 +545,22 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
     return "\n".join(lines)
 
 
+def format_breakdown(plan: Plan) -> list[str]:
+    h, t = plan.hardware, plan.step_time_breakdown_s
+    accumulation = plan.accumulation
+    wires = ", ".join(f"{k} {v:g}" for k, v in plan.wires.items())
+    return [
+        f"  step-time model ({h['profile']}"
+        + (f", {h['interconnect']}" if h.get("interconnect") else "")
+        + f"; {wires}):",
+        f"    per micro-batch: compute {t['compute']:.2f} s, communication {t['communication']:.2f} s "
+        f"({plan.bound}-bound), exposed after overlap {t['exposed_communication']:.2f} s",
+        f"    per step: {accumulation} micro-batch(es) x {t['compute'] + t['exposed_communication']:.2f} s"
+        + (f" + CPU Adam and upload {t['optimizer']:.2f} s" if t["optimizer"] else "")
+        + f" = {plan.modelled_step_s:.1f} s; predicted MFU {plan.predicted_mfu:.1%}",
+    ]
+
+
 def json_summary(plan: Plan) -> dict[str, Any]:
     """The keys the issue tracker and scripts rely on, plus everything else the plan knows."""
     full = plan.to_json()
@@ -410,6 +573,8 @@ def json_summary(plan: Plan) -> dict[str, Any]:
         "host_memory_per_node_gb": plan.host_memory_per_node_gb,
         "peak_tokens_per_s": plan.peak_tokens_per_s,
         "expected_tokens_per_s": plan.expected_tokens_per_s,
+        "step_time_breakdown_s": plan.step_time_breakdown_s,
+        "predicted_mfu": plan.predicted_mfu,
         "expected_days": plan.expected_days,
         "gpu_hours": plan.gpu_hours,
         "checkpoint_gb": plan.checkpoint_gb,
@@ -419,7 +584,26 @@ def json_summary(plan: Plan) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def reachable(plan: Plan, days: float) -> dict[str, float]:
+    """What `days` on this hardware buy: tokens at the expected rate, and for that compute (6·N·D FLOPs at the
+    same rate) the compute-optimal model size and tokens (Chinchilla, ~20 tokens per parameter)."""
+    tokens = plan.expected_tokens_per_s * days * 86_400
+    params, optimal_tokens = chinchilla(6 * plan.params * tokens)
+    return {"days": days, "reachable_tokens": tokens, "compute_optimal_params": params,
+            "compute_optimal_tokens": optimal_tokens}  # fmt: skip
+
+
+def format_reachable(numbers: dict[str, float], plan: Plan) -> str:
+    return (
+        f"  in {numbers['days']:g} days: {numbers['reachable_tokens'] / 1e9:,.1f}B tokens for this "
+        f"{plan.params / 1e9:.1f}B model ({numbers['reachable_tokens'] / plan.params:.2f} tokens per parameter); "
+        f"the same compute is spent best (Chinchilla, 20 tokens/parameter) on a "
+        f"{numbers['compute_optimal_params'] / 1e9:.1f}B model with {numbers['compute_optimal_tokens'] / 1e9:,.0f}B "
+        "tokens"
+    )
+
+
+def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--gpus", type=int)
@@ -427,29 +611,56 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-gb", type=float)
     parser.add_argument("--host-memory-gb", type=float)
     parser.add_argument("--peak-tflops", type=float)
-    parser.add_argument("--mfu", type=float)
+    parser.add_argument("--profile", choices=sorted(GPU_PROFILES), help="GPU and server: bandwidths, peak")
+    parser.add_argument("--interconnect", help="between nodes: ib100, ib200, ib400, ib800")
+    parser.add_argument("--intra-node-gb-s", type=float, help="collective bandwidth per GPU inside a node")
+    parser.add_argument("--inter-node-gbps", type=float, help="network bandwidth per node, Gb/s (line rate)")
+    parser.add_argument("--host-link-gb-s", type=float, help="GPU-host bandwidth per GPU")
+    parser.add_argument("--host-memory-gb-s", type=float, help="host memory bandwidth per node (CPU Adam)")
+    parser.add_argument("--compute-efficiency", type=float, help="fraction of peak the matmuls reach")
+    parser.add_argument("--overlap", type=float, help="fraction of the shorter of compute and communication hidden")
+    parser.add_argument("--mfu", type=float, help="a fixed utilisation instead of the communication model")
     parser.add_argument("--target-tokens-per-s", type=float, help="a throughput someone promised, to check")
+    parser.add_argument("--search", action="store_true", help="rank the configurations that fit by tokens/s")
+    parser.add_argument("--days", type=float, help="the tokens reachable in this many days, and the compute-optimal "
+                        "model for that compute")  # fmt: skip
     parser.add_argument("--deepspeed-config", default=str(DEFAULT_DEEPSPEED_JSON))
     parser.add_argument("--json", action="store_true")
-    args, overrides = parser.parse_known_args(argv)
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
     try:
         config = load_config(args.config, overrides)
-        hardware = hardware_from(
-            config,
-            gpus=args.gpus,
-            nodes=args.nodes,
-            gpu_memory_gb=args.gpu_memory_gb,
-            host_memory_gb=args.host_memory_gb,
-            peak_tflops=args.peak_tflops,
-            mfu=args.mfu,
-        )
-        plan = make_plan(
-            config, hardware, load_deepspeed_json(args.deepspeed_config), target_tokens_per_s=args.target_tokens_per_s
-        )
+        hardware = hardware_from(config, **{key: getattr(args, key) for key in (
+            "gpus", "nodes", "gpu_memory_gb", "host_memory_gb", "peak_tflops", "mfu", "profile", "interconnect",
+            *WIRE_KEYS)})  # fmt: skip
+        ds_config = load_deepspeed_json(args.deepspeed_config)
+        plan = make_plan(config, hardware, ds_config, target_tokens_per_s=args.target_tokens_per_s)
+        if args.days is not None and (args.days <= 0 or not plan.expected_tokens_per_s):
+            raise ConfigError(f"--days {args.days}: needs a positive number of days and a peak (--peak-tflops or "
+                              "--profile)")  # fmt: skip
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(json_summary(plan)) if args.json else format_plan(plan, config))
+    days = reachable(plan, args.days) if args.days is not None else None
+    if args.search:
+        from recipes.plan_search import format_search, search
+
+        ranked, shipped, rank = search(config, hardware, ds_config, vocab_size=plan.vocab_size)
+        if args.json:
+            print(json.dumps({"ranked": [{"choice": dataclasses.asdict(c), "expected_tokens_per_s":
+                                          p.expected_tokens_per_s, "per_gpu_memory_gb": p.per_gpu_memory_gb["total"],
+                                          "host_memory_per_node_gb": p.host_memory_per_node_gb}
+                                         for c, p in ranked], "shipped_rank": rank}))  # fmt: skip
+        else:
+            print(format_search(ranked, shipped, rank, hardware))
+        return 0
+    if args.json:
+        print(json.dumps({**json_summary(plan), **(days or {})}))
+    else:
+        print(format_plan(plan, config) + ("\n" + format_reachable(days, plan) if days else ""))
     return 0
 
 

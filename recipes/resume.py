@@ -32,7 +32,7 @@ RUN_DEFINING = {
     "max_seq_length": "the tokens per row",
     "global_batch_rows": "the global batch (per_device_train_batch_size x gradient_accumulation_steps x processes)",
     "tokenizer_sha256": "tokenizer_name_or_path (the tokenizer's content)",
-    "train_data": "train_files (the data's identity)",
+    "train_data": "train_files / train_mixture (the data's identity)",
     "text_field": "text_field",
 }
 
@@ -51,13 +51,21 @@ def data_identity(train_files: list[str]) -> list[dict[str, Any]]:
     return identity
 
 
+def mixture_identity(config: PretrainConfig) -> list[dict[str, Any]]:
+    """Each source by its manifest's hash and weight, and what happens when one runs out."""
+    return [
+        {**data_identity([entry["path"]])[0], "weight": entry["weight"], "exhausted": config.mixture_exhausted}
+        for entry in config.train_mixture
+    ]
+
+
 def run_identity(config: PretrainConfig, model_config, tokenizer, world_size: int) -> dict[str, Any]:
     return {
         "model_shape": {key: getattr(model_config, key, None) for key in (*MODEL_CONFIG_KEYS, "rope_parameters")},
         "max_seq_length": config.max_seq_length,
         "global_batch_rows": config.resolved_global_batch_size(world_size),
         "tokenizer_sha256": tokenizer_identity(tokenizer, config.tokenizer_name_or_path)["sha256"],
-        "train_data": data_identity(config.train_files),
+        "train_data": data_identity(config.train_files) if config.train_mixture is None else mixture_identity(config),
         "text_field": config.text_field,
     }
 

@@ -13,14 +13,13 @@ from pathlib import Path
 import torch
 
 from common.collectives import on_every_rank, on_main_process
-from data_prep.packed_dataset import PackedRows
 from data_prep.readers import resolve_sources
 from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
 from eval.harness import BenchmarkSettings
 from recipes import checkpointing, deepspeed_config
 from recipes.config import ConfigError, PretrainConfig, validate_against_model, validate_for_world
 from recipes.model import detect_attn_implementation, llama_config
-from recipes.plan import format_plan, live_hardware, make_plan
+from recipes.plan import format_plan, live_hardware, make_plan, plan_predictions
 from recipes.resume import run_identity
 from recipes.train_data import open_train_source
 
@@ -91,10 +90,11 @@ class RunInputs:
     tokenizer: object
     model_config: object  # transformers.LlamaConfig
     attn_implementation: str
-    train_source: PackedRows | list[str]
+    train_source: object  # PackedRows, MixedRows, or raw file paths
     validation_sources: list[str]
     benchmarks: BenchmarkSettings | None
     identity: dict  # what defines the run: a checkpoint of another run is not resumed (recipes.resume)
+    predictions: dict  # the plan's step time, tokens/s and peak memory, put beside the measured ones at the end
 
 
 def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
@@ -105,7 +105,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         raise ConfigError(str(error)) from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer {config.tokenizer_name_or_path} has no EOS token; packing needs one")
-    train_source = open_train_source(config, tokenizer)
+    train_source = open_train_source(config, tokenizer, accelerator.num_processes)
     validation_sources = resolve_sources(config.validation_files, "validation_files")
     model_config = llama_config(config, len(tokenizer))
     validate_against_model(
@@ -135,7 +135,14 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         on_every_rank(lambda: accelerator.is_local_main_process and check_port_free(port), catch=(ConfigError,))
     identity = run_identity(config, model_config, tokenizer, accelerator.num_processes)
     return RunInputs(
-        tokenizer, model_config, attn_implementation, train_source, validation_sources, benchmarks, identity
+        tokenizer,
+        model_config,
+        attn_implementation,
+        train_source,
+        validation_sources,
+        benchmarks,
+        identity,
+        plan_predictions(plan),
     )
 
 

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from common.process import die_with_parent
 from data_prep.format import is_preprocessed
-from data_prep.packed_dataset import GlobalBatchSampler, PackedRows
+from data_prep.packed_dataset import GlobalBatchSampler, MixedRows, PackedRows
 from data_prep.readers import resolve_sources
 from data_prep.stream import PackedTextStream, sharding
 from recipes.config import ConfigError, PretrainConfig
@@ -42,8 +42,11 @@ class DataPositionError(RuntimeError):
     """A saved data position that cannot be continued here; the message says why and what to do."""
 
 
-def open_train_source(config: PretrainConfig, tokenizer) -> PackedRows | list[str]:
-    """A preprocessed directory (checked against this tokenizer and row length), or raw files."""
+def open_train_source(config: PretrainConfig, tokenizer, world: int) -> PackedRows | MixedRows | list[str]:
+    """A preprocessed directory or a weighted mixture of them (each checked against this tokenizer and row
+    length), or raw files."""
+    if config.train_mixture is not None:
+        return open_mixture(config, tokenizer, world)
     if len(config.train_files) == 1 and is_preprocessed(config.train_files[0]):
         rows = PackedRows(config.train_files[0])
         rows.check_matches(tokenizer, config.tokenizer_name_or_path, config.max_seq_length)
@@ -57,6 +60,35 @@ def open_train_source(config: PretrainConfig, tokenizer) -> PackedRows | list[st
                 "and it must be the only entry of train_files"
             )
     return resolve_sources(config.train_files, "train_files")
+
+
+def open_mixture(config: PretrainConfig, tokenizer, world: int) -> MixedRows:
+    sources = []
+    for index, entry in enumerate(config.train_mixture):
+        if not is_preprocessed(entry["path"]):
+            raise ConfigError(
+                f"train_mixture[{index}].path {entry['path']}: not a preprocessed directory (no manifest.json); "
+                "mixtures read outputs of python -m data_prep.preprocess"
+            )
+        rows = PackedRows(entry["path"])
+        rows.check_matches(tokenizer, config.tokenizer_name_or_path, config.max_seq_length, f"train_mixture[{index}]")
+        sources.append(rows)
+    global_batch = config.resolved_global_batch_size(world)
+    samples_wanted = config.total_steps(world) * global_batch
+    weights = [entry["weight"] for entry in config.train_mixture]
+    mixture = MixedRows(sources, weights, config.mixture_exhausted == "repeat", samples_wanted)
+    drawn = mixture.drawn(min(samples_wanted, len(mixture)))
+    for entry, rows, count in zip(config.train_mixture, sources, drawn, strict=True):
+        logger.info(
+            "train mixture: %s, weight %g: %d rows, %d drawn over the run (%.2f epochs)",
+            entry["path"], entry["weight"], len(rows), count, count / len(rows),
+        )  # fmt: skip
+    if len(mixture) < samples_wanted:
+        logger.warning(
+            "train mixture: a source runs out after %d samples (step %d of %d): mixture_exhausted: stop ends the run "
+            "there", len(mixture), len(mixture) // global_batch, config.total_steps(world),
+        )  # fmt: skip
+    return mixture
 
 
 # Tests only: a dataloader worker stops producing after this many rows, to show that a stall ends the run.
@@ -87,12 +119,12 @@ class _StallAfter(IterableDataset):
             yield row
 
 
-def build_loader(source: PackedRows | list[str], config: PretrainConfig, tokenizer, rank: int, world: int):
+def build_loader(source: PackedRows | MixedRows | list[str], config: PretrainConfig, tokenizer, rank: int, world: int):
     pin_memory = config.dataloader_pin_memory and torch.cuda.is_available()
     workers = config.dataloader_num_workers
     timeout_s = config.hang_timeout_s if workers and config.hang_timeout_s else 0
     common = dict(num_workers=workers, pin_memory=pin_memory, worker_init_fn=init_worker, timeout=timeout_s)
-    if isinstance(source, PackedRows):
+    if isinstance(source, (PackedRows, MixedRows)):
         micro, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
         sampler = GlobalBatchSampler(len(source), micro, accumulation, world, rank)
         return DataLoader(source, batch_sampler=sampler, **common)
@@ -110,8 +142,12 @@ class TrainData:
     """Micro-batches over `num_train_epochs` passes, and the position in them (epoch, rows this rank consumed in
     it). Every method that gathers is a collective: call it on every rank."""
 
-    def __init__(self, source: PackedRows | list[str], config: PretrainConfig, tokenizer, rank: int, world: int):
-        self.kind = DataKind.PREPROCESSED if isinstance(source, PackedRows) else DataKind.STREAM
+    def __init__(self, source: PackedRows | MixedRows | list[str], config: PretrainConfig, tokenizer, rank: int,
+                 world: int):  # fmt: skip
+        self.kind = DataKind.PREPROCESSED if isinstance(source, (PackedRows, MixedRows)) else DataKind.STREAM
+        self.mixture = source if isinstance(source, MixedRows) else None
+        self.mixture_paths = [entry["path"] for entry in config.train_mixture or []]
+        self.seq_len = config.max_seq_length
         self.rank, self.world = rank, world
         self.sharding = "global index"
         if self.kind is DataKind.STREAM:
@@ -160,6 +196,14 @@ class TrainData:
             self.rows_consumed += len(batch)
             batches.append(batch)
         return batches
+
+    def mixture_tokens(self) -> dict[str, int] | None:
+        """Tokens consumed so far from each mixture source, by its path as the recipe writes it (None: no mixture).
+        A pure function of the global position, so it needs no collective."""
+        if self.mixture is None:
+            return None
+        drawn = self.mixture.drawn(self.rows_consumed * self.world + self.epoch * len(self.mixture))
+        return {path: count * self.seq_len for path, count in zip(self.mixture_paths, drawn, strict=True)}
 
     def state_dict(self) -> dict[str, Any]:
         """The position of every rank (a collective: gathers from all ranks). Preprocessed rows are addressed

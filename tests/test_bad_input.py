@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from data_prep.filters import FilterSpec
 from data_prep.packing import split_text
 from data_prep.preprocess import PreprocessError, main, preprocess
 from data_prep.readers import CorruptFileError, iter_texts
@@ -81,6 +82,7 @@ def test_split_text_is_exact_and_cuts_before_whitespace():
     assert "".join(pieces) == text and all(len(p) <= 120 for p in pieces)
     assert all(p[0] == " " for p in pieces[1:5]), "cuts fall just before a space, which starts the next word"
     assert split_text("short", 120) == ["short"]
+    assert "".join(split_text("abc def ", 7)) == "abc def ", "a text one longer than the limit, ending in a space"
 
 
 def test_a_split_document_tokenizes_as_the_whole_one_and_counts_once(tmp_path, corpus):
@@ -136,36 +138,49 @@ def test_a_50_mb_document_is_tokenized_in_bounded_memory(tmp_path, corpus):
 
 
 def paragraphs_corpus(corpus, tmp_path):
+    """Thousands of short documents (so that shards are written all along), with a bad record every 97 lines: the
+    skip counts must survive kills exactly too."""
     paragraphs = [p for text in iter_texts(corpus["train"]) for p in text.split("\n\n") if p.strip()]
+    lines = [json.dumps({"text": p}) for p in paragraphs * 3]
+    for index in range(0, len(lines), 97):
+        lines[index] = "{not json" if index % 2 else json.dumps({"text": ""})
     source = tmp_path / "paragraphs.jsonl"
-    source.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    source.write_text("".join(line + "\n" for line in lines))
     return source
 
 
-def preprocess_command(corpus, source, out, workers=2, rows_per_shard=150):
+def preprocess_command(corpus, source, out, workers=2, rows_per_shard=50, extra=()):
     return [sys.executable, "-m", "data_prep.preprocess", "--tokenizer", str(corpus["tokenizer"]), "--input",
             str(source), "--output", str(out), "--seq-len", str(SEQ), "--num-workers", str(workers),
-            "--rows-per-shard", str(rows_per_shard)]  # fmt: skip
+            "--rows-per-shard", str(rows_per_shard), *extra]  # fmt: skip
 
 
-def kill_repeatedly(corpus, source, out, kills: int, seed: int) -> int:
-    """Start the same command again and again, killing it (main process and tokenizer workers) after a random
-    0.3-2.5 s, `kills` times, then let it finish. Returns the kills that landed before the run finished."""
+def kill_repeatedly(corpus, source, out, kills: int, seed: int, extra=()) -> int:
+    """Start the same command again and again, and each time, once it has saved new progress, kill it (main process
+    and tokenizer workers) 0-0.3 s later: inside a shard write, a progress save, or between. Then let it finish.
+    Returns how many kills landed after a new progress save."""
     rng = random.Random(seed)
+    progress_file = out / ".progress" / "progress.npz"
     landed = 0
     for _ in range(kills):
+        before = progress_file.stat().st_mtime_ns if progress_file.exists() else 0
         process = subprocess.Popen(
-            preprocess_command(corpus, source, out), cwd=REPO, env=LAUNCH_ENV, stdout=subprocess.DEVNULL,
+            preprocess_command(corpus, source, out, extra=extra), cwd=REPO, env=LAUNCH_ENV, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
-        time.sleep(rng.uniform(0.3, 2.5))
+        deadline = time.time() + 120
+        while process.poll() is None and time.time() < deadline:
+            if progress_file.exists() and progress_file.stat().st_mtime_ns != before:
+                break
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.3))
         if process.poll() is not None:
             break
         kill_whole_tree(process.pid)
         process.wait()
         landed += 1
-    finished = subprocess.run(preprocess_command(corpus, source, out), cwd=REPO, env=LAUNCH_ENV, capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
+    finished = subprocess.run(preprocess_command(corpus, source, out, extra=extra), cwd=REPO, env=LAUNCH_ENV,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
     assert finished.returncode == 0, finished.stderr[-3000:]
     return landed
 
@@ -188,15 +203,30 @@ def assert_same_output(manifest, reference):
 def reference(tmp_path_factory, corpus):
     root = tmp_path_factory.mktemp("kills")
     source = paragraphs_corpus(corpus, root)
-    manifest = preprocess(str(corpus["tokenizer"]), [str(source)], str(root / "ref"), SEQ, 2, rows_per_shard=150)
+    manifest = preprocess(str(corpus["tokenizer"]), [str(source)], str(root / "ref"), SEQ, 2, rows_per_shard=50)
     return source, manifest
 
 
 def test_kills_at_random_moments_never_change_the_output(tmp_path, corpus, reference):
     source, expected = reference
     landed = kill_repeatedly(corpus, source, tmp_path / "killed", kills=12, seed=1)
-    print(f"{landed} kills landed before the run finished")
+    print(f"{landed} kills landed after a progress save")
     assert landed >= 5, "the kills must land while the run is working"
+    manifest = json.loads((tmp_path / "killed" / "manifest.json").read_text())
+    assert manifest["throughput"]["resumed"], "the last start continued from saved progress"
+    assert_same_output(manifest, expected)
+
+
+def test_kills_with_dedup_and_documents_in_pieces_never_change_the_output(tmp_path, corpus, reference):
+    """The hashes of the documents kept so far, and a document whose pieces span the saved position, survive a kill:
+    the corpus holds every paragraph three times, so a lost hash would let a copy through."""
+    source, _ = reference
+    extra = ("--dedup", "--max-document-chars", "200")
+    expected = preprocess(str(corpus["tokenizer"]), [str(source)], str(tmp_path / "ref"), SEQ, 2, rows_per_shard=50,
+                          max_document_chars=200, filters=FilterSpec([], dedup=True))  # fmt: skip
+    assert expected["skipped"]["duplicate"] > expected["num_documents"], "two of three copies go"
+    landed = kill_repeatedly(corpus, source, tmp_path / "killed", kills=6, seed=2, extra=extra)
+    assert landed >= 3, "the kills must land while the run is working"
     assert_same_output(json.loads((tmp_path / "killed" / "manifest.json").read_text()), expected)
 
 

@@ -33,5 +33,18 @@ def test_data_throughput_runs_every_method_on_a_small_corpus(tmp_path, corpus):
         "pipeline_tokens_per_s",
         "preprocess_tokens_per_s",
         "run_clm_tokens_per_s",
+        "preprocess_filtered_tokens_per_s",
     ):
         assert report[key] > 0, key
+    assert report["filtered_dropped"]["contaminated"] == 0, "the synthetic benchmark items match nothing"
+
+
+def test_mixture_sampling_runs_on_a_small_corpus(tmp_path, corpus):
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(corpus["train"].read_text().splitlines(keepends=True)[:60]))
+    command = [sys.executable, "-m", "benchmarks.mixture_sampling", "--input", str(small), "--tokenizer",
+               str(corpus["tokenizer"]), "--seq-len", "64", "--rows", "500"]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=LAUNCH_ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["rows"] == 500 and report["single_us_per_row"] > 0 and report["mixture_us_per_row"] > 0

@@ -196,7 +196,8 @@ def test_help_lists_every_key_with_type_default_and_help_quickly():
         assert f.metadata["help"].split()[0] in result.stdout
     assert "Peak AdamW learning rate, reached at the end of warmup.\n" in result.stdout.replace("  ", "")
     assert "(type: float, default: 0.0001)" in result.stdout
-    assert "(type: list[str], default: required)" in result.stdout  # train_files
+    assert "(type: str, default: required)" in result.stdout  # output_dir
+    assert "(type: list[dict] | None, default: None)" in result.stdout  # train_mixture
     # `--help` must not import torch (~2 s of imports): checked by what it imports, not by a timed assertion
     print(f"--help answered in {seconds:.2f} s")
     probe = subprocess.run(

@@ -57,6 +57,21 @@ def test_emergency_variant_differs_only_in_offload_param():
     assert variant == base
 
 
+def test_zeropp_variant_differs_only_in_the_zeropp_keys_and_deepspeed_accepts_them():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    base = load_deepspeed_json(REPO / "accelerate_configs/deepspeed/zero3.json")
+    variant = load_deepspeed_json(REPO / "accelerate_configs/deepspeed/zero3pp.json")
+    zero = DeepSpeedZeroConfig(**variant["zero_optimization"])  # DeepSpeed's own validation of the section
+    assert zero.zero_hpz_partition_size == 8 and zero.zero_quantized_weights and zero.zero_quantized_gradients
+    for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients"):
+        variant["zero_optimization"].pop(key)
+    assert variant == base
+    assert (
+        ds_json_of(REPO / "accelerate_configs/zero3pp_16gpu.yaml")["zero_optimization"]["zero_hpz_partition_size"] == 8
+    )
+
+
 def test_topologies():
     eight = load_config_from_file(str(REPO / "accelerate_configs/zero3_8gpu.yaml"))
     sixteen = load_config_from_file(str(REPO / "accelerate_configs/zero3_16gpu.yaml"))

@@ -92,6 +92,26 @@ def test_ranks_are_distinct_and_the_model_is_partitioned(run):
     assert summary["steps"] == STEPS and summary["stop_reason"] == "max_steps"
 
 
+def test_the_plan_stands_beside_what_the_run_measured(run):
+    """report.md and run_summary.json: each planned quantity, the measured one (exactly what was logged), the ratio."""
+    summary = json.loads((run["dir"] / "run_summary.json").read_text())
+    rows = {row["quantity"]: row for row in summary["plan_vs_measured"]}
+    assert list(rows) == ["step_time_s", "tokens_per_s", "peak_gpu_memory_gb", "peak_host_memory_gb_per_node"]
+    logged = [r for r in read_metrics(run["dir"] / "metrics.jsonl") if "tokens_per_s" in r][1:]
+    median = sorted(r["tokens_per_s"] for r in logged)[len(logged) // 2]
+    assert rows["tokens_per_s"]["measured"] == median
+    assert rows["step_time_s"]["measured"] == sorted(r["step_time_s"] for r in logged)[len(logged) // 2]
+    assert rows["tokens_per_s"]["plan"] > 0, "tiny_cpu.yaml plans with its peak and MFU"
+    assert rows["tokens_per_s"]["ratio"] == pytest.approx(median / rows["tokens_per_s"]["plan"])
+    assert rows["peak_host_memory_gb_per_node"]["measured"] == pytest.approx(
+        sum(summary["peak_host_memory_gb_per_rank"])
+    )
+    assert rows["peak_gpu_memory_gb"]["measured"] is None and rows["peak_gpu_memory_gb"]["ratio"] is None, "no CUDA"
+    report = (run["dir"] / "report.md").read_text()
+    assert "## Plan vs measured" in report
+    assert f"| tokens/s (all ranks) | {rows['tokens_per_s']['plan']:,.2f} | {median:,.2f} |" in report
+
+
 def test_checkpoints_are_complete_and_rotated(run):
     checkpoints = sorted(p.name for p in run["dir"].glob("checkpoint-*"))
     assert checkpoints == ["checkpoint-30", "checkpoint-40"]

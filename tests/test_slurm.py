@@ -120,3 +120,33 @@ def test_the_scripts_forward_every_argument_intact(tmp_path):
     assert argv[argv.index("--main_process_ip") + 1] == "10.1.2.3", "the head node's NodeAddr"
     assert argv[-4:] == ["--lr_scheduler_kwargs", "{min_lr: 0}", "--note", "a  b"]
     assert argv[argv.index("--config") + 1] == "recipes/configs/llama70b_a800x16.yaml"
+
+
+@pytest.mark.slurm
+def test_preprocessing_as_a_job_array_merges_into_the_single_machine_corpus(slurm, tmp_path, corpus):
+    from data_prep.merge import merge
+    from data_prep.preprocess import preprocess
+    from data_prep.readers import iter_texts
+
+    texts = list(iter_texts(corpus["train"]))
+    inputs = []
+    for index in range(5):
+        inputs.append(tmp_path / f"input-{index}.jsonl")
+        inputs[-1].write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[index::5]))
+    env = f"ALL,PYTHONPATH={REPO},PATH={os.path.dirname(sys.executable)}:{os.environ['PATH']}"
+    command = ["sbatch", "--parsable", "--array=0-2", f"--chdir={REPO}", f"--output={tmp_path}/%x-%A_%a.out",
+               "--cpus-per-task=1", "--time=10", f"--export={env}", "scripts/slurm/preprocess_array.sbatch",
+               str(tmp_path / "parts"), "--num-parts", "3", "--tokenizer", str(corpus["tokenizer"]), "--input",
+               *map(str, inputs), "--seq-len", "64", "--rows-per-shard", "200"]  # fmt: skip
+    job = subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().split(";")[0]
+    for task in range(3):
+        state = slurm_cluster.wait_for_job(f"{job}_{task}", 300)
+        log = (tmp_path / f"preprocess-{job}_{task}.out").read_text()
+        assert state["JobState"] == "COMPLETED", log[-3000:]
+        assert f"part {task} of 3" in log
+    merged = merge([str(tmp_path / "parts" / f"part-{task}") for task in range(3)], str(tmp_path / "merged"))
+    single = preprocess(str(corpus["tokenizer"]), list(map(str, inputs)), str(tmp_path / "single"), 64, 2,
+                        rows_per_shard=200)  # fmt: skip
+    for key in ("num_documents", "num_document_tokens"):
+        assert merged[key] == single[key], key
+    assert all(part["num_documents"] > 0 for part in merged["merged_from"]), "each task made a part"

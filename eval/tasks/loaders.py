@@ -19,12 +19,12 @@ def _directory(metadata_key: str, value: str | None) -> str:
 
 
 def mmlu_subject(subject: str, mmlu_dir: str | None = None, **_):
-    from eval.data import load_mmlu_subject
+    from data_prep.benchmark_files import load_mmlu_subject
 
     return _as_dataset_dict(load_mmlu_subject(_directory("mmlu_dir", mmlu_dir), subject))
 
 
 def gsm8k(gsm8k_dir: str | None = None, **_):
-    from eval.data import load_gsm8k
+    from data_prep.benchmark_files import load_gsm8k
 
     return _as_dataset_dict(load_gsm8k(_directory("gsm8k_dir", gsm8k_dir)))

@@ -1,0 +1,173 @@
+"""One preprocessed directory from the parts of a preprocessing spread over machines.
+
+    python -m data_prep.preprocess ... --num-parts K --part I --output parts/part-I     (one per machine / array task)
+    python -m data_prep.merge parts/part-* --output DIR
+
+DIR is an ordinary preprocessed directory (training reads it; `datasets.load_dataset(DIR)` opens it): the parts'
+shards in part order (hard links where the file system allows, else copies, each checked against its part's
+sha256 on the way), one manifest whose counts and data report cover all parts, and `merged_from` naming them.
+
+What differs from one machine: each part packs its own documents, so each drops its own last partial row (fewer
+than seq-len tokens), and a row never joins the end of one part to the start of the next. The documents and their
+tokens are exactly those of a single run. Dedup (--dedup) is per part: a document repeated in two parts is kept
+twice; the parts split the corpus by input file, so this matters only for copies across files of different parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from common.files import atomic_write_text, sha256_of
+from common.lock import DirectoryLock, LockedError
+from data_prep.format import MANIFEST, shard_name
+from data_prep.report import CorpusStats, summary, write_report
+
+EXAMPLES_PER_REASON = 5
+
+
+class MergeError(ValueError):
+    """Parts that cannot be merged, or an output that cannot be written; the message names which and why."""
+
+
+def read_parts(directories: list[str]) -> list[tuple[Path, dict]]:
+    """The parts' manifests in part order, after checking that they are the complete, matching set."""
+    parts = []
+    for directory in directories:
+        path = Path(directory)
+        if not (path / MANIFEST).is_file():
+            raise MergeError(f"{path}: no {MANIFEST}, so this part is not complete; run its preprocessing command "
+                             "again (it continues where it stopped)")  # fmt: skip
+        manifest = json.loads((path / MANIFEST).read_text())
+        if not manifest["settings"].get("part"):
+            raise MergeError(f"{path} was not made with --num-parts/--part; only parts of one run can be merged")
+        parts.append((path, manifest))
+    parts.sort(key=lambda part: part[1]["settings"]["part"]["index"])
+    first = parts[0][1]["settings"]
+    count = first["part"]["count"]
+    indices = [manifest["settings"]["part"]["index"] for _, manifest in parts]
+    if indices != list(range(count)):
+        missing = sorted(set(range(count)) - set(indices))
+        repeated = sorted({i for i in indices if indices.count(i) > 1})
+        raise MergeError(f"the run has {count} parts; missing part(s) {missing}, repeated part(s) {repeated}")
+    for path, manifest in parts:
+        settings = manifest["settings"]
+        for key in sorted(set(first) | set(settings)):
+            mine, theirs = settings.get(key), first.get(key)
+            if key == "inputs" or (key == "part" and mine["all_inputs"] == theirs["all_inputs"]
+                                   and mine["count"] == theirs["count"]):  # fmt: skip
+                continue
+            if mine != theirs:
+                raise MergeError(f"{path} was made with another {key} than {parts[0][0]}: parts of one run share "
+                                 "every setting but --part")  # fmt: skip
+    return parts
+
+
+def merge(directories: list[str], output: str, log=print) -> dict:
+    if not directories:
+        raise MergeError("name the part directories to merge")
+    parts = read_parts(directories)
+    out = Path(output)
+    if out.exists() and any(out.iterdir()):
+        raise MergeError(f"--output {out} is not empty; choose a new directory")
+    try:
+        lock = DirectoryLock(out, "merge").acquire()
+    except LockedError as error:
+        raise MergeError(f"--output {error}") from None
+    try:
+        shards = []
+        for path, manifest in parts:
+            for shard in manifest["shards"]:
+                target = out / shard_name(len(shards))
+                _place(path / shard["path"], target, shard["sha256"])
+                shards.append({**shard, "path": shard_name(len(shards))})
+            log(f"{path}: {len(manifest['shards'])} shard(s), {manifest['num_documents']:,} documents")
+        merged = merged_manifest([manifest for _, manifest in parts], shards, [str(path) for path, _ in parts])
+        stats = CorpusStats(**merged["report"]["stats"])
+        write_report(out, merged, stats, merged["settings"]["inputs"])
+        atomic_write_text(out / MANIFEST, json.dumps(merged, indent=2))  # last: its presence means complete
+        return merged
+    finally:
+        lock.release()
+
+
+def _place(source: Path, target: Path, sha256: str) -> None:
+    """Link (or copy) a shard and check it against its part's checksum: a part damaged since it was written must
+    not become a silently wrong merged corpus."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not source.is_file():
+        raise MergeError(f"{source} is listed in its part's {MANIFEST} but missing; preprocess that part again")
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+    if sha256_of(target) != sha256:
+        target.unlink()
+        raise MergeError(f"{source} does not match the sha256 in its part's {MANIFEST}: the file was damaged; "
+                         "preprocess that part again")  # fmt: skip
+
+
+def merged_manifest(manifests: list[dict], shards: list[dict], part_paths: list[str]) -> dict:
+    first = manifests[0]
+    stats = CorpusStats()
+    for manifest in manifests:
+        stats = stats.merged(CorpusStats(**manifest["report"]["stats"]))
+    skipped = {reason: sum(m["skipped"].get(reason, 0) for m in manifests) for reason in first["skipped"]}
+    examples: dict[str, list] = {}
+    for manifest in manifests:
+        for reason, lines in manifest["skipped_examples"].items():
+            examples.setdefault(reason, []).extend(lines)
+    elapsed = [m["throughput"]["elapsed_s"] for m in manifests]
+    counted = ("num_documents", "num_tokens", "num_document_tokens", "num_sequences", "dropped_tail_tokens")
+    totals = {key: sum(m[key] for m in manifests) for key in counted}
+    settings = {**first["settings"], "inputs": [i for m in manifests for i in m["settings"]["inputs"]], "part": None}
+    return {
+        **{key: first[key] for key in ("seq_len", "dtype", "tokenizer")},
+        **totals,
+        "settings": settings,
+        "skipped": skipped,
+        "skipped_examples": {reason: lines[:EXAMPLES_PER_REASON] for reason, lines in examples.items()},
+        "shards": shards,
+        "report": {**summary({"skipped": skipped}, stats), "stats": stats.to_dict()},
+        "throughput": {
+            "document_tokens_per_s": totals["num_document_tokens"] / max(max(elapsed), 1e-9),
+            "elapsed_s": max(elapsed),  # the parts run side by side
+            "num_workers": sum(m["throughput"]["num_workers"] for m in manifests),
+            "resumed": any(m["throughput"]["resumed"] for m in manifests),
+            "peak_rss_mb_main": max(m["throughput"]["peak_rss_mb_main"] for m in manifests),
+            "peak_rss_mb_worker": max(m["throughput"]["peak_rss_mb_worker"] for m in manifests),
+        },
+        "merged_from": [
+            {
+                "path": path,
+                "num_documents": m["num_documents"],
+                "num_tokens": m["num_tokens"],
+                "dropped_tail_tokens": m["dropped_tail_tokens"],
+            }
+            for path, m in zip(part_paths, manifests, strict=True)
+        ],  # fmt: skip
+        "dedup_scope": "per part" if (first["settings"].get("filters") or {}).get("dedup") else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("parts", nargs="+", help="the part directories (python -m data_prep.preprocess --part I)")
+    parser.add_argument("--output", required=True, help="the merged directory (new or empty)")
+    args = parser.parse_args(argv)
+    try:
+        manifest = merge(args.parts, args.output)
+    except MergeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"{manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens in {len(manifest['shards'])} "
+          f"shard(s) from {len(args.parts)} part(s) -> {args.output}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Preprocessing spread over machines: parts chosen deterministically, merged into one directory that holds exactly
+the documents and tokens of a single-machine run (apart from each part's dropped tail), opened by `datasets`."""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from data_prep.merge import main as merge_main
+from data_prep.merge import merge
+from data_prep.preprocess import preprocess, select_part
+from data_prep.readers import iter_texts
+
+SEQ = 64
+
+
+def flat_tokens(directory) -> np.ndarray:
+    shards = sorted((directory / "data").glob("*.parquet"))
+    rows = [pq.read_table(path)["input_ids"].to_numpy(zero_copy_only=False) for path in shards]
+    return np.concatenate([np.concatenate(part) for part in rows])
+
+
+def test_parts_are_contiguous_balanced_by_bytes_and_cover_every_file_once(tmp_path):
+    files = []
+    for index, size in enumerate([500, 20, 20, 300, 300, 10, 800, 50]):
+        files.append(str(tmp_path / f"f{index}.jsonl"))
+        (tmp_path / f"f{index}.jsonl").write_bytes(b"x" * size)
+    parts = [select_part(files, 3, part) for part in range(3)]
+    assert sum(parts, []) == files, "in corpus order, each file in exactly one part"
+    assert parts == [select_part(files, 3, part) for part in range(3)], "deterministic"
+    assert all(parts), "no part is empty here"
+
+
+@pytest.fixture(scope="module")
+def parted(tmp_path_factory, corpus):
+    root = tmp_path_factory.mktemp("parts")
+    texts = list(iter_texts(corpus["train"]))
+    inputs = []
+    for index in range(7):  # files of different sizes
+        inputs.append(root / f"input-{index}.jsonl")
+        inputs[-1].write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[index::7]))
+    tokenizer = str(corpus["tokenizer"])
+    single = preprocess(tokenizer, list(map(str, inputs)), str(root / "single"), SEQ, 2, rows_per_shard=100)
+    parts = [
+        preprocess(
+            tokenizer, list(map(str, inputs)), str(root / f"part-{i}"), SEQ, 1, rows_per_shard=100, num_parts=3, part=i
+        )  # fmt: skip
+        for i in range(3)
+    ]
+    return root, single, parts
+
+
+def test_three_parts_merged_hold_exactly_the_documents_and_tokens_of_one_run(parted):
+    root, single, parts = parted
+    merged = merge([str(root / f"part-{i}") for i in (2, 0, 1)], str(root / "merged"))
+    assert merged["num_documents"] == single["num_documents"]
+    assert merged["num_document_tokens"] == single["num_document_tokens"]
+    assert merged["num_tokens"] + merged["dropped_tail_tokens"] == single["num_tokens"] + single["dropped_tail_tokens"]
+    assert merged["settings"]["inputs"] == single["settings"]["inputs"]
+    assert [p["num_documents"] for p in merged["merged_from"]] == [p["num_documents"] for p in parts]
+    # the single run's token stream is the parts' streams one after another: each part's rows are a slice of it,
+    # after the tails dropped by the parts before (the single run drops its own tail at the very end)
+    reference, offset = flat_tokens(root / "single"), 0
+    for index, part in enumerate(parts):
+        tokens = flat_tokens(root / f"part-{index}")[: len(reference) - offset]
+        assert len(tokens) > 0 and np.array_equal(tokens, reference[offset : offset + len(tokens)]), f"part {index}"
+        offset += len(tokens) + part["dropped_tail_tokens"]
+    merged_tokens = flat_tokens(root / "merged")
+    assert np.array_equal(merged_tokens, np.concatenate([flat_tokens(root / f"part-{i}") for i in range(3)]))
+    assert merged["report"]["documents"] == single["report"]["documents"]
+    assert merged["report"]["stats"]["length_histogram"] == single["report"]["stats"]["length_histogram"]
+    assert (root / "merged" / "data_report.md").is_file() and (root / "merged" / "data_report.png").is_file()
+
+    import datasets
+
+    loaded = datasets.load_dataset(str(root / "merged"), split="train")
+    assert len(loaded) == merged["num_sequences"] and len(loaded[0]["input_ids"]) == SEQ
+
+
+def test_a_missing_mismatched_or_damaged_part_is_one_line(parted, tmp_path, capsys, corpus):
+    root, _, _ = parted
+    assert merge_main([str(root / "part-0"), str(root / "part-2"), "--output", str(tmp_path / "a")]) == 2
+    assert "missing part(s) [1]" in capsys.readouterr().err
+    assert merge_main([str(root / "part-0"), str(root / "single"), "--output", str(tmp_path / "b")]) == 2
+    assert "not made with --num-parts" in capsys.readouterr().err
+    other = preprocess(str(corpus["tokenizer"]), [str(p) for p in sorted(root.glob("input-*.jsonl"))],
+                       str(tmp_path / "other-1"), SEQ * 2, 1, rows_per_shard=100, num_parts=3, part=1)  # fmt: skip
+    assert other["seq_len"] == SEQ * 2
+    code = merge_main([str(root / "part-0"), str(tmp_path / "other-1"), str(root / "part-2"), "--output",
+                       str(tmp_path / "c")])  # fmt: skip
+    assert code == 2 and "another seq_len" in capsys.readouterr().err
+    damaged = tmp_path / "damaged-part-1"
+    import shutil
+
+    shutil.copytree(root / "part-1", damaged)
+    shard = sorted((damaged / "data").glob("*.parquet"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code = merge_main([str(root / "part-0"), str(damaged), str(root / "part-2"), "--output", str(tmp_path / "d")])
+    error = capsys.readouterr().err
+    assert code == 2 and str(shard) in error and "sha256" in error and len(error.strip().splitlines()) == 1
+    assert not (tmp_path / "d" / "manifest.json").exists(), "no manifest: the merged directory is not complete"
