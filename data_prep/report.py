@@ -108,7 +108,9 @@ def render_markdown(manifest: dict, stats: CorpusStats, inputs: list[str]) -> st
         "| input | documents | tokens |",
         "|---|---:|---:|",
     ]
-    for path, docs, tokens in zip(inputs, stats.documents_per_input, stats.tokens_per_input, strict=False):
+    for index, path in enumerate(inputs):  # an input with no document kept shows as 0, not as missing
+        docs = stats.documents_per_input[index] if index < len(stats.documents_per_input) else 0
+        tokens = stats.tokens_per_input[index] if index < len(stats.tokens_per_input) else 0
         lines.append(f"| `{path}` | {docs:,} | {tokens:,} |")
     percentiles = " · ".join(f"{k} {v:,.0f}" for k, v in numbers["length_percentiles_tokens"].items())
     skipped = ", ".join(f"{reason} {count:,}" for reason, count in manifest["skipped"].items() if count) or "none"

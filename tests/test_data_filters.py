@@ -142,7 +142,10 @@ def test_the_data_report_renders(tmp_path, corpus):
     texts = [p for text in iter_texts(corpus["train"]) for p in text.split("\n\n") if p.strip()][:200]
     texts += ["ok", "broken \ufffd\ufffd bytes here"]
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    manifest = preprocess(str(corpus["tokenizer"]), [str(source)], str(tmp_path / "out"), SEQ, rows_per_shard=40)
+    only_bad = tmp_path / "only_bad.jsonl"
+    only_bad.write_text('{"text": ""}\n')
+    manifest = preprocess(str(corpus["tokenizer"]), [str(source), str(only_bad)], str(tmp_path / "out"), SEQ,
+                          rows_per_shard=40)  # fmt: skip
     report = (tmp_path / "out" / "data_report.md").read_text()
     png = (tmp_path / "out" / "data_report.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 2000
@@ -158,4 +161,5 @@ def test_the_data_report_renders(tmp_path, corpus):
         exact = np.percentile(lengths, int(p[1:]), method="inverted_cdf")
         assert exact / 1.05 <= value <= exact, p
     assert f"| `{source.resolve()}` | 202 |" in report and "tokens per UTF-8 byte" in report
+    assert f"| `{only_bad.resolve()}` | 0 | 0 |" in report, "an input that gave nothing is listed, with 0"
     assert "data_report.png" in report
