@@ -315,6 +315,7 @@ class OpenDocument:
     file_index: int
     hash: int = 0
     match: str | None = None
+    tokens: int = 0  # with the EOS
     chars: int = 0
     utf8_bytes: int = 0
     replacement_chars: int = 0
@@ -322,12 +323,13 @@ class OpenDocument:
 
 class Sieve:
     """Joins pieces into documents in corpus order and decides each one: dropped when it contains a benchmark item
-    or (dedup) repeats an earlier document of this run, else kept. The open document's tokens are held until its
-    last piece; `state()` and the constructor carry it, and the hashes seen, across a resume."""
+    or (dedup) repeats an earlier document of this run, else kept. With a filter on (`holds`), the open document's
+    tokens are held until its last piece (a 50 MB document: ~50 MB); without, every piece passes at once.
+    `state()` and the constructor carry the open document, and the hashes seen, across a resume."""
 
     def __init__(self, dedup: bool, seen: SeenHashes, open_document: dict | None = None,
-                 open_tokens: np.ndarray | None = None):  # fmt: skip
-        self.dedup, self.seen = dedup, seen
+                 open_tokens: np.ndarray | None = None, holds: bool = True):  # fmt: skip
+        self.dedup, self.seen, self.holds = dedup, seen, holds
         self.open = OpenDocument(**open_document) if open_document else None
         self.open_tokens: list[np.ndarray] = [open_tokens] if open_tokens is not None and len(open_tokens) else []
 
@@ -350,7 +352,8 @@ class Sieve:
             document.chars += int(pieces["chars"][i])
             document.utf8_bytes += int(pieces["utf8_bytes"][i])
             document.replacement_chars += int(pieces["replacement_chars"][i])
-            self.open_tokens.append(ids[offsets[i] : offsets[i + 1]])
+            document.tokens += int(pieces["tokens"][i])
+            (self.open_tokens if self.holds else out).append(ids[offsets[i] : offsets[i + 1]])
             if not pieces["ends"][i]:
                 continue
             tokens, self.open, self.open_tokens = self.open_tokens, None, []
@@ -362,8 +365,7 @@ class Sieve:
                 if self.dedup:
                     self.seen.add(document.hash)
                 out.extend(tokens)
-                length = sum(len(t) for t in tokens) - 1
-                kept.append(Kept(document.file_index, length, document.chars, document.utf8_bytes,
+                kept.append(Kept(document.file_index, document.tokens - 1, document.chars, document.utf8_bytes,
                                  document.replacement_chars))  # fmt: skip
         ids_kept = np.concatenate(out) if out else ids[:0]
         return ids_kept, kept, dropped

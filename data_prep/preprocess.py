@@ -524,7 +524,8 @@ def _run(out: Path, sources: list[str], settings: dict, tokenizer, strict: bool,
         position = sources[min(progress.file_index, len(sources) - 1)]
         log(f"resuming after shard {len(progress.shards) - 1}: {position} line {progress.next_line}")
     remove_unrecorded_shards(out, progress)
-    sieve = Sieve(filters.dedup, SeenHashes(resumed.seen), progress.open_document, resumed.open_tokens)
+    sieve = Sieve(filters.dedup, SeenHashes(resumed.seen), progress.open_document, resumed.open_tokens,
+                  holds=filters.active)  # fmt: skip
     packer = Packer(out, settings, progress, resumed.carry, token_dtype(identity["vocab_size"]), sieve, sources, log)
     serialized = tokenizer.backend_tokenizer.to_str()
     chunks = iter_chunks(
