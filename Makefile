@@ -1,6 +1,6 @@
 # The two commands of the README. Both create .venv and install the package into it first.
 #   make demo   tiny Llama on the real 2-process DeepSpeed ZeRO-3 path, on the CPU (~5 min)
-#   make test   lint + the whole test suite (~35 min on 2 cores; CI took 38 min with the install)
+#   make test   lint + the whole test suite (~45 min on 2 cores, install included)
 
 PYTHON ?= python3
 VENV ?= .venv
