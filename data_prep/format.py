@@ -11,6 +11,7 @@ import numpy as np
 FORMAT_VERSION = 1
 SHARD_DIR = "data"
 MANIFEST = "manifest.json"  # written last: its presence means the directory is complete
+EXAMPLES_PER_REASON = 5  # file:line examples a manifest keeps for each kind of skipped record
 
 
 def shard_name(index: int) -> str:

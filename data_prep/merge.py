@@ -24,10 +24,8 @@ from pathlib import Path
 
 from common.files import atomic_write_text, sha256_of
 from common.lock import DirectoryLock, LockedError
-from data_prep.format import MANIFEST, shard_name
+from data_prep.format import EXAMPLES_PER_REASON, MANIFEST, shard_name
 from data_prep.report import CorpusStats, summary, write_report
-
-EXAMPLES_PER_REASON = 5
 
 
 class MergeError(ValueError):

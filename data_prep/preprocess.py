@@ -56,7 +56,15 @@ from data_prep.filters import (
     benchmark_items,
     document_hash,
 )
-from data_prep.format import FORMAT_VERSION, MANIFEST, SHARD_DIR, shard_name, token_dtype, tokenizer_identity
+from data_prep.format import (
+    EXAMPLES_PER_REASON,
+    FORMAT_VERSION,
+    MANIFEST,
+    SHARD_DIR,
+    shard_name,
+    token_dtype,
+    tokenizer_identity,
+)
 from data_prep.packing import MAX_DOCUMENT_CHARS, split_text
 from data_prep.readers import (
     SKIP_REASONS,
@@ -74,7 +82,6 @@ PROGRESS_FILE = "progress.npz"
 SEEN_FILE = "seen-hashes.u64"  # dedup: the hash of every kept document, 8 bytes each, in order
 DOCS_PER_CHUNK = 512  # one unit of work for a tokenizer process: this many documents ...
 CHARS_PER_CHUNK = 1 << 20  # ... or this much text, whichever comes first
-EXAMPLES_PER_REASON = 5
 CORRUPT_FILE = "corrupt_file"  # a whole input file that ended early or failed its checks (--skip-corrupt-files)
 READ_REASONS = (*SKIP_REASONS, CORRUPT_FILE)  # counted while reading
 ALL_REASONS = (*READ_REASONS, CONTAMINATED, DUPLICATE)  # ... and when a tokenized document comes back
@@ -610,6 +617,7 @@ class Packer:
                 while len(in_flight) > 2 * num_workers or (in_flight and not chunk.pieces):
                     self.consume(*in_flight.popleft())
         self.progress.elapsed_s += time.perf_counter() - self._started
+        self.progress.stats = self.stats.to_dict()
 
     def consume(self, result, chunk: Chunk) -> None:
         """One chunk's tokens, in corpus order: pack, write, and after a completed shard save the progress."""
@@ -648,13 +656,13 @@ class Packer:
             self.log(
                 f"shard {len(progress.shards) - 1}: {shard['rows']} rows, {progress.num_documents} documents so far"
             )
-        progress.stats = self.stats.to_dict()
         if completed:
             # A resumed run starts here: after this chunk, with the rows the open shard holds so far
             # (written again from this copy), the tokens of the next partial row and of a document still open.
             now = time.perf_counter()
             progress.elapsed_s += now - self._started
             self._started = now
+            progress.stats = self.stats.to_dict()
             progress.open_document, open_tokens = self.sieve.state()
             new_hashes = self.sieve.seen.take_log()
             progress.seen_hashes = len(self.sieve.seen)
