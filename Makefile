@@ -1,6 +1,7 @@
 # The two commands of the README. Both create .venv and install the package into it first.
 #   make demo   tiny Llama on the real 2-process DeepSpeed ZeRO-3 path, on the CPU (~5 min)
 #   make test   lint + the whole test suite (~45 min on 2 cores, install included)
+#   make gpu-check [DRY_RUN=1]   the recipe's CUDA path measured on one GPU (docs/gpu-results.md)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,7 +16,7 @@ DEMO_BF16 ?= $(if $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo
 # DeepSpeed would otherwise look for CUDA; this Makefile's runs are CPU runs.
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint clean gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +46,17 @@ lint: install
 
 test: lint
 	$(BIN)/python -m pytest
+
+# The GPU check (benchmarks/gpu_check.py, docs/gpu-results.md): on a machine with one GPU, ~8 minutes. DRY_RUN=1
+# rehearses it on the CPU with a tiny model. GPU_CHECK_PYTHON=python3 uses an environment that already holds the
+# packages instead of .venv. flash-attn has no wheel on PyPI: FLASH_ATTN_WHEEL=path/to/flash_attn-*.whl installs one;
+# without it the check runs sdpa and says so.
+GPU_CHECK_PYTHON ?=
+GPU_PY := $(or $(GPU_CHECK_PYTHON),$(BIN)/python)
+gpu-check: export DS_ACCELERATOR := $(if $(DRY_RUN),cpu,cuda)
+gpu-check: $(if $(GPU_CHECK_PYTHON),,install)
+	$(if $(FLASH_ATTN_WHEEL),$(GPU_PY) -m pip install --quiet "$(FLASH_ATTN_WHEEL)")
+	$(GPU_PY) -m benchmarks.gpu_check $(if $(DRY_RUN),--dry-run) --output outputs/gpu_check$(if $(DRY_RUN),_dry_run) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -26,3 +26,32 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     if os.getppid() != parent:  # the parent died between getppid and prctl
         os.kill(os.getpid(), sig)
     return True
+
+
+def kill_tree(root_pid: int) -> int:
+    """SIGKILL a process, its children and theirs at once (a launcher, every rank, every dataloader worker: torchrun
+    puts each rank in a session of its own, so a process-group kill misses them). Returns how many there were."""
+    import contextlib
+
+    import psutil
+
+    try:
+        root = psutil.Process(root_pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
+    psutil.wait_procs(tree, timeout=30)
+    return len(tree)
+
+
+def with_repo_on_path(environ, repo=None) -> dict[str, str]:
+    """`environ` with the repository first on PYTHONPATH (what was there stays after it), for child processes that
+    run `-m recipes...` or `recipes/pretrain.py` from any working directory."""
+    from pathlib import Path
+
+    root = str(repo or Path(__file__).resolve().parent.parent)
+    rest = environ.get("PYTHONPATH")
+    return {**environ, "PYTHONPATH": root + (os.pathsep + rest if rest else "")}

@@ -85,9 +85,8 @@ def evaluate(model, tokenizer, settings: BenchmarkSettings, synced_generation: b
     is synchronised (`synced_gpus`) so that no rank leaves the loop while another still needs its shards.
     """
     import lm_eval
-    from lm_eval.models.huggingface import HFLM
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, **model_args)
+    lm = timed_lm_class()(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, **model_args)
     gen_kwargs: dict[str, Any] = {}
     if synced_generation:
         gen_kwargs["synced_gpus"] = True
@@ -106,7 +105,40 @@ def evaluate(model, tokenizer, settings: BenchmarkSettings, synced_generation: b
         bootstrap_iters=1000,
         verbosity="ERROR",
     )
+    if results is not None:  # lm-eval returns the results on the first rank only
+        results["timings"] = dict(lm.timings)
     return jsonable(results)
+
+
+@functools.cache
+def timed_lm_class():
+    """lm-eval's HFLM, timing its two request types: `loglikelihood_s` (MMLU's scoring) and `generate_until_s`
+    (GSM8K's answers), with the number of requests of each."""
+    import time
+
+    from lm_eval.models.huggingface import HFLM
+
+    class TimedHFLM(HFLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.timings = {"loglikelihood_s": 0.0, "loglikelihood_requests": 0, "generate_until_s": 0.0,
+                            "generate_until_requests": 0}  # fmt: skip
+
+        def _timed(self, kind: str, method, requests, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(requests, **kwargs)
+            finally:
+                self.timings[f"{kind}_s"] += time.perf_counter() - started
+                self.timings[f"{kind}_requests"] += len(requests)
+
+        def loglikelihood(self, requests, **kwargs):
+            return self._timed("loglikelihood", super().loglikelihood, requests, **kwargs)
+
+        def generate_until(self, requests, **kwargs):
+            return self._timed("generate_until", super().generate_until, requests, **kwargs)
+
+    return TimedHFLM
 
 
 def jsonable(value):

@@ -23,6 +23,8 @@ import torch
 from eval.harness import BenchmarkSettings, evaluate, format_table, headline_scores, write_results
 
 logger = logging.getLogger("eval")
+# Every rank runs every request today; the planner prices evaluation by this (recipes.eval_cost).
+SPLITS_REQUESTS_OVER_RANKS = False
 
 
 def capture_rng_state() -> dict:
@@ -38,6 +40,22 @@ def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def benchmark_timings(results: dict, seconds: float) -> dict[str, float]:
+    """Seconds in all, per document, and per MMLU document (its scoring: loglikelihood requests) and per GSM8K
+    document (its generations): what `recipes.eval_cost` prices."""
+    samples = {task: n["effective"] for task, n in results["n-samples"].items()}
+    documents = sum(samples.values())
+    timings = {"benchmark_seconds": seconds, "benchmark_seconds_per_document": seconds / max(documents, 1)}
+    measured = results.get("timings", {})
+    mmlu = sum(count for task, count in samples.items() if task.startswith("mmlu"))
+    gsm8k = sum(count for task, count in samples.items() if task.startswith("gsm8k"))
+    if mmlu and measured.get("loglikelihood_requests"):
+        timings["mmlu_seconds_per_document"] = measured["loglikelihood_s"] / mmlu
+    if gsm8k and measured.get("generate_until_requests"):
+        timings["gsm8k_seconds_per_document"] = measured["generate_until_s"] / gsm8k
+    return timings
 
 
 def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, step: int, output_dir: Path) -> dict:
@@ -68,13 +86,7 @@ def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, s
     scores = [None]
     if accelerator.is_main_process:
         documents = sum(n["effective"] for n in results["n-samples"].values())
-        scores = [
-            {
-                **headline_scores(results),
-                "benchmark_seconds": seconds,
-                "benchmark_seconds_per_document": seconds / max(documents, 1),
-            }
-        ]
+        scores = [{**headline_scores(results), **benchmark_timings(results, seconds)}]
         write_results(results, output_dir / "eval" / f"step-{step}.json")
         logger.info("step %d: benchmarks (%d documents, %.1f s)\n%s", step, documents, seconds, format_table(results))
     from accelerate.utils import broadcast_object_list

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from recipes import metrics
+from recipes.attention import DocumentMasking
 from recipes.run_state import LossSpikeRule, Stop, StopReason
 from recipes.validation import validation_loss
 
@@ -186,16 +187,16 @@ class Validation(Callback):
     by rotation); after `patience` evaluations without an improvement larger than `threshold` the run stops.
     The loss is all-reduced, so every rank takes the same decision."""
 
-    def __init__(self, rows: torch.Tensor, eval_steps: int, batch_size: int, eos_id: int | None,
+    def __init__(self, rows: torch.Tensor, eval_steps: int, batch_size: int, masking: DocumentMasking,
                  patience: int | None, threshold: float):  # fmt: skip
-        self.rows, self.eval_steps, self.batch_size, self.eos_id = rows, eval_steps, batch_size, eos_id
+        self.rows, self.eval_steps, self.batch_size, self.masking = rows, eval_steps, batch_size, masking
         self.patience, self.threshold = patience, threshold
 
     def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
         if not trainer.due(self.eval_steps):
             return
         state = trainer.state
-        eval_loss = validation_loss(trainer.model, trainer.accelerator, self.rows, self.batch_size, self.eos_id)
+        eval_loss = validation_loss(trainer.model, trainer.accelerator, self.rows, self.batch_size, self.masking)
         trainer.metrics.write(state.step, {"eval_loss": eval_loss})
         logger.info("step %d: eval_loss %.4f", state.step, eval_loss)
         if state.best_eval_loss is None or eval_loss < state.best_eval_loss - self.threshold:
@@ -249,7 +250,7 @@ class ProgressBar(Callback):
         self.bar.close()
 
 
-def callbacks_for(config, *, flops_per_token: float, validation_rows: torch.Tensor | None, eos_id: int,
+def callbacks_for(config, *, flops_per_token: float, validation_rows: torch.Tensor | None, masking: DocumentMasking,
                   benchmarks: BenchmarkSettings | None, tokenizer) -> list[Callback]:  # fmt: skip
     """The recipe's callbacks, in the order they run after each step: the hang watchdog first (the step is
     progress), the spike rule (a rollback hides the step from the rest), then logging, benchmarks, validation,
@@ -278,7 +279,7 @@ def callbacks_for(config, *, flops_per_token: float, validation_rows: torch.Tens
                 validation_rows,
                 config.eval_steps,
                 config.per_device_eval_batch_size,
-                eos_id if config.document_masking else None,
+                masking,
                 config.early_stopping_patience,
                 config.early_stopping_threshold,
             )

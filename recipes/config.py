@@ -18,13 +18,15 @@ from typing import Any
 
 import yaml
 
+from recipes.attention import MASKING_PATHS
+
 
 class ConfigError(ValueError):
     """A recipe value that cannot work; the message names the key and what would be valid."""
 
 
 LR_SCHEDULER_TYPES = ("cosine_with_min_lr", "cosine", "constant_with_warmup")
-ATTN_IMPLEMENTATIONS = ("flash_attention_2", "sdpa", "eager")
+ATTN_IMPLEMENTATIONS = tuple(MASKING_PATHS)  # each with a path that masks packed documents
 LOSS_SPIKE_ACTIONS = ("log", "rollback")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 
@@ -158,9 +160,10 @@ class PretrainConfig:
         default=False,
         metadata={
             "help": (
-                "No attention across EOS inside a packed row: position ids restart after every EOS, which HF "
-                "Llama turns into per-document attention (varlen with flash_attention_2, a block-diagonal mask "
-                "with sdpa)."
+                "No attention across EOS inside a packed row: position ids restart after every EOS, and each "
+                "attention path masks per document at any micro-batch (flash_attention_2: varlen kernel with "
+                "cumulative lengths the recipe passes; sdpa and eager: a block-diagonal mask). The run's first "
+                "lines say which path it took."
             )
         },
     )

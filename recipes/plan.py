@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eval.in_loop import SPLITS_REQUESTS_OVER_RANKS
 from recipes.config import (
     MODEL_CONFIG_KEYS,
     ConfigError,
@@ -38,6 +39,7 @@ from recipes.config import (
     warmup_fraction,
 )
 from recipes.deepspeed_config import load_deepspeed_json, offloads
+from recipes.eval_cost import MMLU_SUBJECTS, SHARE_WARNING, EvalCost, EvalWork, eval_cost
 from recipes.step_time import (
     GPU_PROFILES,
     INTERCONNECT_EFFICIENCY,
@@ -45,6 +47,8 @@ from recipes.step_time import (
     Workload,
     Zero3,
     chinchilla,
+    collective_s,
+    host_s_per_pass,
     step_time,
     wires_from,
 )
@@ -136,6 +140,11 @@ class Plan:
     checkpoint_disk_gb: float
     checkpoint_verify_s: float
     checkpoint_save_s: float
+    eval_documents: dict[str, int] | None  # in-loop benchmarks: documents per evaluation, per task
+    eval_forward_passes: int | None  # per rank and evaluation, each one gathering the whole model
+    eval_seconds: float | None
+    eval_seconds_by_task: dict[str, float] | None
+    eval_share: float | None  # of the training time between two benchmark evaluations
     fits: bool
     verdicts: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -346,6 +355,7 @@ def predicted_step(config: PretrainConfig, hardware: Hardware, ds_config: dict[s
         accumulation=rows // (micro * world),
         gpus=world,
         nodes=hardware.nodes,
+        hooked_modules=sum(count for count, _ in sizes),
     )  # fmt: skip
     return step_time(work, zero, wires)
 
@@ -388,6 +398,56 @@ def checkpoint_terms(config: PretrainConfig, params: int, world: int) -> dict[st
     }
 
 
+def local_mmlu_subjects(mmlu_dir: str | None) -> int:
+    """Subjects in a local MMLU directory that is here; all 57 otherwise (the hub, or a cluster path)."""
+    if not mmlu_dir or not Path(mmlu_dir).is_dir():
+        return MMLU_SUBJECTS
+    from data_prep.benchmark_files import BenchmarkDataError, mmlu_layout
+
+    try:
+        return len(mmlu_layout(mmlu_dir)[1])
+    except BenchmarkDataError:  # a malformed directory is preflight's to report
+        return MMLU_SUBJECTS
+
+
+def price_evaluation(config: PretrainConfig, hardware: Hardware, ds_config: dict[str, Any], shape: dict[str, Any],
+                     params: int, step_seconds: float | None) -> EvalCost | None:  # fmt: skip
+    """The in-loop benchmarks' cost per evaluation (None without benchmarks or without a peak to price compute)."""
+    if not config.eval_tasks or not hardware.peak_tflops:
+        return None
+    wires = hardware.step_model()
+    if wires is not None:
+        zero = Zero3.from_json(ds_config)
+        persistent = sum(count * size for count, size in module_sizes(shape) if size < zero.persistence_threshold)
+        gather_s = collective_s(2.0 * (params - persistent), wires, hardware.gpus, hardware.nodes)
+        flops_per_s = hardware.peak_tflops * 1e12 * wires.compute_efficiency
+    else:  # a fixed MFU and no wires: the gathers are not priced
+        gather_s, flops_per_s = 0.0, hardware.peak_tflops * 1e12 * (hardware.mfu or DEFAULT_MFU)
+    work = EvalWork(
+        tasks=tuple(config.eval_tasks),
+        limit=config.eval_limit,
+        num_fewshot=config.eval_num_fewshot,
+        batch_size=config.per_device_eval_batch_size,
+        max_gen_toks=config.eval_max_gen_toks,
+        ranks_sharing=hardware.gpus if SPLITS_REQUESTS_OVER_RANKS else 1,
+        mmlu_subjects=local_mmlu_subjects(config.mmlu_dir),
+    )
+    between = step_seconds * config.eval_steps * config.eval_benchmarks_every if step_seconds else None
+    host_s = host_s_per_pass(sum(count for count, _ in module_sizes(shape)))
+    return eval_cost(work, params=params, gather_s=gather_s, flops_per_s=flops_per_s, host_s_per_forward=host_s,
+                     training_s_between=between)  # fmt: skip
+
+
+def eval_terms(evaluation: EvalCost | None) -> dict[str, Any]:
+    """The plan's `eval_*` fields (all None without benchmarks to price)."""
+    if evaluation is None:
+        return dict.fromkeys(("eval_documents", "eval_forward_passes", "eval_seconds", "eval_seconds_by_task",
+                              "eval_share"))  # fmt: skip
+    return {"eval_documents": evaluation.documents, "eval_forward_passes": evaluation.forward_passes,
+            "eval_seconds": evaluation.seconds, "eval_seconds_by_task": evaluation.seconds_by_task,
+            "eval_share": evaluation.share}  # fmt: skip
+
+
 def make_plan(
     config: PretrainConfig,
     hardware: Hardware,
@@ -411,7 +471,6 @@ def make_plan(
     deepspeed_host = (host["offloaded_optimizer"] + host["offloaded_parameters"]) * DEEPSPEED_HOST_BUFFER_FACTOR
 
     flops = training_flops_per_token(params, shape["num_hidden_layers"], seq, shape["hidden_size"])
-    total_steps = config.total_steps(world)
     modelled = predicted_step(config, hardware, ds_config, shape, params, flops)
     peak, expected, step_seconds, days, gpu_hours = time_terms(config, hardware, flops, modelled)
 
@@ -420,7 +479,7 @@ def make_plan(
         largest_layer_params=largest,
         num_layers=shape["num_hidden_layers"],
         vocab_size=shape["vocab_size"],
-        total_steps=total_steps,
+        total_steps=config.total_steps(world),
         warmup_fraction=warmup_fraction(config, world),
         flops_per_token=flops,
         hardware_flops_per_token=flops * (4 / 3 if config.gradient_checkpointing else 1.0),
@@ -441,6 +500,7 @@ def make_plan(
         expected_days=days,
         gpu_hours=gpu_hours,
         **checkpoint_terms(config, params, world),
+        **eval_terms(price_evaluation(config, hardware, ds_config, shape, params, step_seconds)),
         fits=True,
         warnings=warnings,
         hardware=asdict(hardware),
@@ -491,6 +551,13 @@ def _judge(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens
             f"warmup is {plan.warmup_fraction:.2%} of training ({config.warmup_steps:,} of {plan.total_steps:,} "
             "steps); 0.1-10% is usual"
         )
+    if plan.eval_share is not None and plan.eval_share > SHARE_WARNING:
+        plan.warnings.append(
+            f"benchmarks take {plan.eval_share:.0%} of the training time between evaluations "
+            f"({plan.eval_seconds / 3600:,.1f} h per evaluation, {plan.eval_forward_passes:,} forward passes per rank, "
+            f"each gathering the whole model): set eval_limit, raise per_device_eval_batch_size, lower "
+            "eval_max_gen_toks or evaluate less often (eval_benchmarks_every)"
+        )
     if plan.params > 1e9 and not config.gradient_checkpointing:
         plan.warnings.append("gradient checkpointing is off for a >1B model: activations dominate memory")
     if plan.expected_days and plan.expected_days > 365:
@@ -540,22 +607,36 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
         f"~{plan.checkpoint_verify_s:,.0f} s (sha256, every rank its share at {SHA256_GB_PER_S} GB/s); a save takes "
         f"~{plan.checkpoint_save_s:,.0f} s (write at {CHECKPOINT_WRITE_GB_PER_S_PER_RANK} GB/s per rank, then hash)"
     )
+    if plan.eval_seconds is not None:
+        documents = ", ".join(f"{task} {count:,}" for task, count in plan.eval_documents.items())
+        share = f", {plan.eval_share:.1%} of the training between evaluations" if plan.eval_share is not None else ""
+        lines.append(
+            f"  benchmarks per evaluation: {documents} documents; {plan.eval_forward_passes:,} forward passes per "
+            f"rank (each gathers the model); ~{format_duration(plan.eval_seconds)}{share}"
+        )
     lines += [f"  verdict: {v}" for v in plan.verdicts]
     lines += [f"  warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
 
 
+def format_duration(seconds: float) -> str:
+    if seconds >= 86_400:
+        return f"{seconds / 86_400:,.1f} days"
+    return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds:,.0f} s"
+
+
 def format_breakdown(plan: Plan) -> list[str]:
     h, t = plan.hardware, plan.step_time_breakdown_s
-    accumulation = plan.accumulation
+    accumulation, busy = plan.accumulation, max(t["compute"], t["host"])
     wires = ", ".join(f"{k} {v:g}" for k, v in plan.wires.items())
     return [
         f"  step-time model ({h['profile']}"
         + (f", {h['interconnect']}" if h.get("interconnect") else "")
         + f"; {wires}):",
-        f"    per micro-batch: compute {t['compute']:.2f} s, communication {t['communication']:.2f} s "
+        f"    per micro-batch: compute {t['compute']:.2f} s, ZeRO-3 host hooks {t['host']:.2f} s, communication "
+        f"{t['communication']:.2f} s "
         f"({plan.bound}-bound), exposed after overlap {t['exposed_communication']:.2f} s",
-        f"    per step: {accumulation} micro-batch(es) x {t['compute'] + t['exposed_communication']:.2f} s"
+        f"    per step: {accumulation} micro-batch(es) x {busy + t['exposed_communication']:.2f} s"
         + (f" + CPU Adam and upload {t['optimizer']:.2f} s" if t["optimizer"] else "")
         + f" = {plan.modelled_step_s:.1f} s; predicted MFU {plan.predicted_mfu:.1%}",
     ]
@@ -578,6 +659,9 @@ def json_summary(plan: Plan) -> dict[str, Any]:
         "expected_days": plan.expected_days,
         "gpu_hours": plan.gpu_hours,
         "checkpoint_gb": plan.checkpoint_gb,
+        "eval_forward_passes": plan.eval_forward_passes,
+        "eval_seconds": plan.eval_seconds,
+        "eval_share": plan.eval_share,
         "fits": plan.fits,
         "warnings": plan.warnings,
         **{k: v for k, v in full.items() if k not in ("warnings",)},

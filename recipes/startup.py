@@ -16,7 +16,7 @@ from common.collectives import on_every_rank, on_main_process
 from data_prep.readers import resolve_sources
 from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
 from eval.harness import BenchmarkSettings
-from recipes import checkpointing, deepspeed_config
+from recipes import attention, checkpointing, deepspeed_config
 from recipes.config import ConfigError, PretrainConfig, validate_against_model, validate_for_world
 from recipes.model import detect_attn_implementation, llama_config
 from recipes.plan import format_plan, live_hardware, make_plan, plan_predictions
@@ -119,7 +119,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         benchmarks.check()  # data directories load, before the model costs anything
         logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
     attn_implementation, reason = detect_attn_implementation(config.attn_implementation)
-    logger.info("attention: %s (%s)", attn_implementation, reason)
+    logger.info("%s (%s)", attention.describe(attn_implementation, config.document_masking), reason)
     plan = make_plan(
         config, live_hardware(config, accelerator.num_processes), ds_config, vocab_size=model_config.vocab_size
     )

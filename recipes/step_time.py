@@ -24,6 +24,14 @@ overlap the backward.
 
 DeepSpeed overlaps prefetched gathers and bucketed reductions with compute, imperfectly: a fraction `overlap` of
 the shorter of compute and communication is hidden. The exposed communication is what remains.
+
+ZeRO-3 also costs host time: Python hooks before and after every module with parameters fetch, release and
+account for its partitions, in the forward, the backward (about twice the forward's hook work) and a recomputed
+forward. The GPU runs while the host enqueues, so a micro-batch takes the longer of its kernels and its host work.
+Measured on one H200 (docs/gpu-results.md, 1.1B model, 201 such modules): ~0.6 ms per module per forward pass,
+in generation and in training alike, which made that model host-bound (11.6 % MFU under ZeRO-3 against 37.8 % in
+plain torch). A 70B model has 723 such modules and ~60x the FLOPs per token: there the host work hides behind the
+kernels.
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ from typing import Any
 
 GB = 1e9
 CPU_ADAM_BYTES_PER_PARAM = 30  # fp32 param, grad, m, v read (16); param, m, v written (12); bf16 copy written (2)
+# ZeRO-3's hook work per module with parameters per forward pass (backward: 2 passes' worth), on the host: measured
+# on an H200 machine's CPU (docs/gpu-results.md); a slower host core raises it.
+ZERO3_HOST_S_PER_MODULE_PASS = 0.6e-3
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,7 @@ class Workload:
     accumulation: int
     gpus: int
     nodes: int
+    hooked_modules: int = 0  # modules with parameters: ZeRO-3 runs host hooks around each
 
 
 @dataclass
@@ -148,13 +160,19 @@ class StepTime:
     optimizer: float
     step: float
     predicted_mfu: float
-    bound: str  # "compute" or "communication"
+    bound: str  # "compute", "communication" or "host"
     gathers_per_micro_batch: int
     traffic_gb: dict  # per micro-batch, per GPU (intra) and per node (inter)
+    host: float = 0.0  # ZeRO-3's hook work per micro-batch
 
     def breakdown(self) -> dict[str, float]:
         return {key: round(value, 4) for key, value in asdict(self).items()
-                if key in ("compute", "communication", "exposed_communication", "optimizer")}  # fmt: skip
+                if key in ("compute", "host", "communication", "exposed_communication", "optimizer")}  # fmt: skip
+
+
+def host_s_per_pass(hooked_modules: int) -> float:
+    """Host seconds of ZeRO-3's hooks for one forward pass over the model."""
+    return hooked_modules * ZERO3_HOST_S_PER_MODULE_PASS
 
 
 def collective_s(tensor_bytes: float, wires: Wires, gpus: int, nodes: int, intra_only: bool = False) -> float:
@@ -189,21 +207,24 @@ def step_time(work: Workload, zero: Zero3, wires: Wires) -> StepTime:
         * work.tokens_per_micro_batch
         / (wires.peak_tflops * 1e12 * wires.compute_efficiency)
     )
-    exposed = communication - wires.overlap * min(communication, compute)
+    passes = 3 + (1 if work.layers_per_checkpoint else 0)  # forward, backward (2), recomputed forward
+    host = passes * host_s_per_pass(work.hooked_modules)
+    busy = max(compute, host)  # the GPU runs while the host enqueues: the longer of the two
+    exposed = communication - wires.overlap * min(communication, busy)
     optimizer = 0.0
     if zero.offload_optimizer:
         adam = CPU_ADAM_BYTES_PER_PARAM * work.params / work.nodes / (wires.host_memory_gb_s * GB)
         upload = 2.0 * work.params / work.gpus / (wires.host_link_gb_s * GB)
         optimizer = adam + upload
-    step = work.accumulation * (compute + exposed) + optimizer
+    step = work.accumulation * (busy + exposed) + optimizer
     tokens_per_step = work.tokens_per_micro_batch * work.accumulation * work.gpus
     mfu = work.useful_flops_per_token * tokens_per_step / (step * work.gpus * wires.peak_tflops * 1e12)
     traffic = {
         "gather_per_gpu": round(gathers * gathered_bytes / GB, 2),
         "reduce_scatter_per_gpu": round(gradient_bytes / GB, 2),
     }
-    return StepTime(compute, communication, exposed, optimizer, step, mfu,
-                    "communication" if communication > compute else "compute", gathers, traffic)  # fmt: skip
+    bound = "communication" if communication > busy else "host" if host > compute else "compute"
+    return StepTime(compute, communication, exposed, optimizer, step, mfu, bound, gathers, traffic, host)  # fmt: skip
 
 
 def chinchilla(flops: float) -> tuple[float, float]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.collectives import any_rank, ranks_where
-from data_prep.packing import document_position_ids
+from recipes.attention import DocumentMasking
 from recipes.callbacks import Callback, Control
 from recipes.checkpointing import Checkpointer, step_of
 from recipes.config import ConfigError, PretrainConfig
@@ -65,10 +65,10 @@ class Trainer:
 
     def __init__(self, config: PretrainConfig, accelerator, model, optimizer, *, data: TrainData,
                  checkpointer: Checkpointer, metrics: MetricsWriter, signals: StopSignals, state: RunState,
-                 callbacks: list[Callback], eos_id: int, num_parameters: int):  # fmt: skip
+                 callbacks: list[Callback], masking: DocumentMasking, num_parameters: int):  # fmt: skip
         self.config, self.accelerator, self.model, self.optimizer = config, accelerator, model, optimizer
         self.data, self.checkpointer, self.metrics, self.signals = data, checkpointer, metrics, signals
-        self.state, self.callbacks, self.eos_id = state, list(callbacks), eos_id
+        self.state, self.callbacks, self.masking = state, list(callbacks), masking
         self.num_parameters = num_parameters
         for callback in self.callbacks:
             if not isinstance(callback, Callback):
@@ -133,8 +133,7 @@ class Trainer:
             # DeepSpeed scales the loss by 1/accumulation and steps the optimizer on the boundary.
             self.accelerator.sync_gradients = last
             input_ids = input_ids.to(self.accelerator.device, non_blocking=True)
-            position_ids = document_position_ids(input_ids, self.eos_id) if self.config.document_masking else None
-            loss = self.model(input_ids=input_ids, labels=input_ids, position_ids=position_ids).loss
+            loss = self.model(input_ids=input_ids, labels=input_ids, **self.masking.inputs(input_ids)).loss
             losses.append(loss.detach())
             if last:
                 self._stop_on_nonfinite_loss(losses)
@@ -238,16 +237,17 @@ def build_trainer(config: PretrainConfig, launch: Launch) -> Trainer:
     stateful = {"run_state": state, "data_position": launch.data}
     run_files = resume.run_files(config, inputs.identity)  # what every checkpoint records about the run
     checkpointer = Checkpointer(accelerator, model, run_dir, config.save_total_limit, run_files, stateful)
-    shape, eos_id = inputs.model_config, inputs.tokenizer.eos_token_id
+    shape = inputs.model_config
+    masking = DocumentMasking.of(config.document_masking, inputs.tokenizer.eos_token_id, inputs.attn_implementation)
     flops = training_flops_per_token(num_params, shape.num_hidden_layers, config.max_seq_length, shape.hidden_size)
     callbacks = callbacks_for(
-        config, flops_per_token=flops, validation_rows=validation_rows, eos_id=eos_id,
+        config, flops_per_token=flops, validation_rows=validation_rows, masking=masking,
         benchmarks=inputs.benchmarks, tokenizer=inputs.tokenizer,
     )  # fmt: skip
     trainer = Trainer(
         config, accelerator, model, optimizer, data=launch.data, checkpointer=checkpointer, signals=launch.signals,
         metrics=metrics_writer(config, accelerator), state=state,
-        callbacks=callbacks, eos_id=eos_id, num_parameters=num_params,
+        callbacks=callbacks, masking=masking, num_parameters=num_params,
     )  # fmt: skip
     if launch.resume_from:
         trainer.load_checkpoint(launch.resume_from)

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from data_prep.packing import document_position_ids
 from data_prep.stream import PackedTextStream
+from recipes.attention import DocumentMasking
 
 
 def load_validation_rows(sources, tokenizer, seq_len: int, text_field: str, max_rows: int | None) -> torch.Tensor:
@@ -40,16 +40,18 @@ def rank_batches(rows: torch.Tensor, rank: int, world_size: int, batch_size: int
 
 
 @torch.no_grad()
-def validation_loss(model, accelerator, rows: torch.Tensor, batch_size: int, eos_id: int | None = None) -> float:
-    """Mean next-token cross-entropy over all validation tokens, the same value on every rank; with
-    `eos_id`, documents are masked from each other as in training with `document_masking`."""
+def validation_loss(
+    model, accelerator, rows: torch.Tensor, batch_size: int, masking: DocumentMasking | None = None
+) -> float:
+    """Mean next-token cross-entropy over all validation tokens, the same value on every rank; documents are
+    masked from each other as in training (`masking`, the training loop's)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     for batch, weight in rank_batches(rows, accelerator.process_index, accelerator.num_processes, batch_size):
         batch = batch.to(accelerator.device)
-        position_ids = document_position_ids(batch, eos_id) if eos_id is not None else None
-        loss = model(input_ids=batch, labels=batch, position_ids=position_ids).loss.double()
+        inputs = masking.inputs(batch) if masking is not None else {}
+        loss = model(input_ids=batch, labels=batch, **inputs).loss.double()
         predicted_tokens = batch.shape[0] * (batch.shape[1] - 1)
         totals[0] += loss * predicted_tokens * weight
         totals[1] += predicted_tokens * weight

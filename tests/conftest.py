@@ -4,7 +4,6 @@ real multi-process DeepSpeed runs on the CPU."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -77,20 +76,9 @@ def start(command: list[str], **kwargs) -> subprocess.Popen:
 def kill_whole_tree(root_pid: int) -> int:
     """SIGKILL a launcher, every rank and every dataloader worker at once, as a node crash does. Returns how many
     processes there were."""
-    import contextlib
+    from common.process import kill_tree
 
-    import psutil
-
-    try:
-        root = psutil.Process(root_pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    for process in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.send_signal(signal.SIGKILL)
-    psutil.wait_procs(tree, timeout=30)
-    return len(tree)
+    return kill_tree(root_pid)
 
 
 def launch(script: str | Path, args: list[str], num_processes: int = 2, timeout_s: int = 600, env=None):

@@ -25,10 +25,16 @@ def small_corpus(tmp_path, corpus, lines: int) -> str:
 
 
 @pytest.mark.multiprocess
-def test_step_overhead_runs_the_real_trainer_and_reports_a_ratio():
-    report = run_benchmark("step_overhead", "--steps", "3", "--repeats", "1")
-    assert report["bare_s_per_step"] > 0 and report["recipe_s_per_step"] > 0
+def test_step_overhead_runs_the_real_trainer_with_and_without_document_masking(tmp_path):
+    profile = tmp_path / "profile.txt"
+    report = run_benchmark("step_overhead", "--steps", "2", "--repeats", "1", "--loops", "bare,recipe,recipe_masked",
+                           "--profile-output", str(profile))  # fmt: skip
+    assert report["bare_s_per_step"] > 0 and report["recipe_s_per_step"] > 0 and report["recipe_masked_s_per_step"] > 0
     assert report["ratio"] == pytest.approx(report["recipe_s_per_step"] / report["bare_s_per_step"])
+    masking = report["recipe_s_per_step"] / report["recipe_masked_s_per_step"]
+    assert report["masking_throughput_ratio"] == pytest.approx(masking)
+    assert report["document_masking"] is False and len(report["warmup_losses"]) == 2  # 1 step x 2 micro-batches
+    assert "aten::" in profile.read_text()
 
 
 def test_data_throughput_runs_every_method_on_a_small_corpus(tmp_path, corpus):

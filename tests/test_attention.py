@@ -1,0 +1,98 @@
+"""Document masking on every attention path: the inputs the recipe gives the model, the branch transformers takes
+with them, and packed documents against each document alone (recipes.attention, recipes.attention_check)."""
+
+import json
+
+import pytest
+import torch
+
+from recipes import attention
+from recipes.attention_check import document_spans, main, packed_batch, run_check
+from recipes.config import ATTN_IMPLEMENTATIONS, load_config
+from tests.conftest import TINY_RECIPE
+
+TINY = ["--model_config.vocab_size", "512", "--model_config.num_hidden_layers", "2", "--max_seq_length", "96"]
+
+
+def check(implementation: str, micro_batch: int, masking: bool = True) -> dict:
+    config = load_config(TINY_RECIPE, [*TINY, "--attn_implementation", implementation, "--per_device_train_batch_size",
+                                       str(micro_batch), "--document_masking", str(masking).lower()])  # fmt: skip
+    return run_check(config, device="cpu", dtype_name="float32")
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flash_attention_2"])
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_packed_documents_equal_each_document_alone_on_every_path(implementation, micro_batch):
+    result = check(implementation, micro_batch)
+    expected = "varlen" if implementation == "flash_attention_2" else "block_mask"
+    assert result["path"] == expected == result["expected_path"]
+    assert result["documents"] > micro_batch, "the batch must hold several documents per row to mean anything"
+    assert result["max_abs_diff"] <= 1e-4 and result["ok"]
+
+
+def test_flash_attention_takes_the_varlen_branch_only_because_the_recipe_passes_cumulative_lengths(monkeypatch):
+    """Negative control: position ids alone (what the recipe passed before) reach transformers' varlen branch for one
+    row only; at micro-batch 2 its dense kernel runs, and documents attend to each other."""
+    assert check("flash_attention_2", 2)["path"] == "varlen"
+    original = attention.document_inputs
+
+    def position_ids_only(input_ids, eos_id, implementation):
+        return {"position_ids": original(input_ids, eos_id, implementation)["position_ids"]}
+
+    monkeypatch.setattr(attention, "document_inputs", position_ids_only)
+    assert check("flash_attention_2", 1)["path"] == "varlen"
+    leaking = check("flash_attention_2", 2)
+    assert leaking["path"] == "none" and not leaking["ok"] and leaking["max_abs_diff"] > 1e-2
+
+
+def test_without_document_masking_documents_see_each_other():
+    result = check("sdpa", 2, masking=False)
+    assert result["path"] == result["expected_path"] == "none"
+    assert result["max_abs_diff"] > 1e-2
+
+
+def test_varlen_inputs_mark_every_row_start_and_every_document_start():
+    eos = 0
+    input_ids = torch.tensor([[5, 6, eos, 7, 8, 9], [4, eos, eos, 3, 2, 1]])
+    inputs = attention.document_inputs(input_ids, eos, "flash_attention_2")
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 6, 8, 9, 12]
+    assert inputs["cu_seq_lens_q"] is inputs["cu_seq_lens_k"] or inputs["cu_seq_lens_k"].tolist() == [0, 3, 6, 8, 9, 12]
+    assert inputs["max_length_q"] == inputs["max_length_k"] == 3 and isinstance(inputs["max_length_q"], int)
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 0, 0, 1, 2]]
+    assert attention.document_inputs(input_ids, eos, "sdpa").keys() == {"position_ids"}
+    assert attention.document_inputs(input_ids, None, "flash_attention_2") == {}
+
+
+def test_spans_are_what_training_calls_a_document():
+    row = torch.tensor([1, 2, 0, 3, 0, 4, 5])
+    assert document_spans(row, 0) == [(0, 3), (3, 5), (5, 7)]
+    batch = packed_batch(3, 64, 100, eos_id=0)
+    assert batch.shape == (3, 64) and (batch == 0).any()
+
+
+def test_the_start_line_names_the_path_and_an_implementation_without_one_is_refused():
+    assert (
+        attention.describe("flash_attention_2", True) == "attention: flash_attention_2, document masking: on (varlen)"
+    )
+    assert attention.describe("sdpa", True) == "attention: sdpa, document masking: on (block_mask)"
+    assert attention.describe("eager", False) == "attention: eager, document masking: off"
+    assert set(ATTN_IMPLEMENTATIONS) == set(attention.MASKING_PATHS)
+    with pytest.raises(ValueError, match="flex_attention.*no packed path"):
+        attention.describe("flex_attention", True)
+    assert attention.describe("flex_attention", False).endswith("off")
+
+
+def test_the_check_prints_one_json_line_and_refuses_bad_input_in_one_line(capsys, tmp_path):
+    assert main(["--config", str(TINY_RECIPE), *TINY, "--per_device_train_batch_size", "2",
+                 "--document_masking", "true"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out.strip())
+    assert result["micro_batch"] == 2 and result["path"] == "block_mask" and result["ok"]
+    assert main(["--config", str(TINY_RECIPE), "--attn_implementation", "flash"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: attn_implementation 'flash'") and "\n" not in error
+    assert main(["--config", str(TINY_RECIPE), "--max_seq_length", "64"]) == 2  # no vocabulary anywhere
+    assert "--vocab-size" in capsys.readouterr().err
+    huge = ["--model_config.hidden_size", "8192", "--model_config.num_hidden_layers", "80",
+            "--model_config.intermediate_size", "28672", "--model_config.num_attention_heads", "64"]  # fmt: skip
+    assert main(["--config", str(TINY_RECIPE), "--vocab-size", "32000", *huge]) == 2
+    assert "--num-layers" in capsys.readouterr().err

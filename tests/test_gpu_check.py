@@ -1,0 +1,75 @@
+"""The GPU check (benchmarks/gpu_check.py): its CPU dry run exercises every stage, so that the script is ready
+when a GPU is; its judgement of targets is checked here on numbers that meet and miss them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import gpu_check
+from tests.conftest import LAUNCH_ENV, REPO
+
+
+def training_run(**changes) -> dict:
+    run = {"micro_batch": 2, "gradient_checkpointing": False, "attn_implementation": "sdpa",
+           "bare_s_per_step": 1.0, "recipe_s_per_step": 1.02, "recipe_masked_s_per_step": 1.1, "recipe_mfu": 0.42,
+           "bare_mfu": 0.43, "recipe_masked_mfu": 0.39, "plan_mfu": 0.45, "steady_allocated_gb": 18.0,
+           "peak_allocated_gb": 28.0, "peak_reserved_gb": 33.0}  # fmt: skip
+    run.update(changes)
+    plan = {"bf16_parameter_shard": 2.2, "optimizer_states": 13.2, "fp32_gradient_partition": 4.4,
+            "bf16_gradient_shard": 2.2, "largest_layer_gathered": 0.3, "reduce_bucket": 0.4, "prefetch_bucket": 0.4,
+            "live_parameters": 2.0, "activations": 6.0, "logits": 1.6, "cuda_context": 1.5, "total": 36.0}  # fmt: skip
+    run["plan_memory"] = gpu_check.memory_against_plan(run, plan)
+    return run
+
+
+def test_targets_are_met_and_missed_by_the_numbers():
+    good = {"dry_run": False, "stages": {"training": [training_run()]}, "skipped": [], "targets": []}
+    targets = gpu_check.judge(good)
+    assert [t["met"] for t in targets] == [True, True, True]
+    assert targets[2]["value"] == pytest.approx(33.0 / 34.5)
+    slow = training_run(recipe_mfu=0.12, recipe_s_per_step=1.2, peak_reserved_gb=50.0, peak_allocated_gb=45.0)
+    missed = gpu_check.judge({**good, "stages": {"training": [slow]}})
+    assert [t["met"] for t in missed] == [False, False, False]
+    assert missed[2]["term_off"].startswith("one step's additions")
+    good["targets"] = targets
+    markdown = gpu_check.render_markdown(good)
+    assert "| 2 | off | sdpa |" in markdown and "## Targets" in markdown
+    assert gpu_check.docs_row(good).count("|") == 12
+
+
+@pytest.mark.multiprocess
+def test_the_dry_run_exercises_every_stage_on_the_cpu(tmp_path):
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--output", str(tmp_path)]
+    completed = subprocess.run(command, cwd=REPO, env=LAUNCH_ENV, capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert results["dry_run"] and results["skipped"] == [] and results["targets"] == []
+    stages = results["stages"]
+    assert stages["model_only"]["tokens_per_s"] > 0
+    runs = stages["training"]
+    assert [(r["micro_batch"], r["gradient_checkpointing"]) for r in runs] == [(2, True), (2, False), (1, True),
+                                                                              (1, False)]  # fmt: skip
+    assert all(r["recipe_s_per_step"] > 0 and r["recipe_masked_s_per_step"] > 0 for r in runs[:2])
+    assert all(r["bare_s_per_step"] > 0 and r["plan_memory"]["plan_total_gb"] > 0 for r in runs)
+    assert (tmp_path / "profile_mb2_ckpt_on.txt").read_text().count("aten::") > 5
+    checks = {c["attn_implementation"]: c for c in stages["attention"]["checks"]}
+    assert checks["sdpa"]["path"] == "block_mask" and checks["flash_attention_2"]["path"] == "varlen"
+    assert all(c["ok"] for c in checks.values())
+    end_to_end = stages["end_to_end"]
+    assert end_to_end["exit_code"] == 0 and "document masking: on" in end_to_end["attention_line"]
+    assert end_to_end["mmlu_seconds_per_document"] > 0 and end_to_end["gsm8k_seconds_per_document"] > 0
+    assert end_to_end["plan_gsm8k_seconds_per_document"] > 0
+    assert "(CPU dry run: no GPU result)" in (tmp_path / "gpu_check.md").read_text()
+    assert "row for docs/gpu-results.md:" in completed.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_the_real_check_refuses_in_one_line():
+    completed = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=REPO, env=LAUNCH_ENV,
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert completed.returncode == 2
+    assert completed.stderr.strip() == (
+        "error: no CUDA device is visible; `make gpu-check DRY_RUN=1` rehearses the check on the CPU"
+    )
