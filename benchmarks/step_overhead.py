@@ -12,7 +12,7 @@ whose documents are separated by EOS every few hundred tokens:
 - `recipe`: the real Trainer with the recipe's callbacks (learning rate per step, the all-ranks end-of-data check,
   metric reductions every `logging_steps`, metrics.jsonl and TensorBoard writes, the progress bar), with the
   recipe's `document_masking`;
-- `recipe_masked`: the same with document masking on (the inputs `recipes.attention` gives the model).
+- `recipe_masked`: the same with document masking on (the inputs `recipes.training.attention` gives the model).
 Passes alternate so that drift of the machine affects every loop alike. Prints a table, then one JSON line with
 seconds per step, tokens/s and MFU per loop, peak device memory (CUDA only) and the warm-up steps' losses.
 """
@@ -41,7 +41,7 @@ MEAN_DOCUMENT_TOKENS = 300  # where the fixed batches put an EOS, on average
 
 def fixed_batches(micro_batches):
     """Stands in for the dataloader: the same micro-batches every step, so data cost is equal and zero."""
-    from recipes.train_data import TrainData
+    from recipes.training.train_data import TrainData
 
     class FixedBatches(TrainData):
         def __init__(self):  # TrainData's own would open a data source; set what the loop and logging read
@@ -70,11 +70,11 @@ def packed_micro_batches(count: int, rows: int, seq_len: int, vocab_size: int, s
 def recipe_trainer(config, accelerator, model, optimizer, micro_batches, metrics, signals, num_params, masking):
     """The real Trainer with the recipe's callbacks; checkpoints are left out, as saving is outside the timed
     step in a real run too."""
-    from recipes.callbacks import PeriodicCheckpoint, callbacks_for
-    from recipes.checkpointing import Checkpointer
-    from recipes.plan import training_flops_per_token
-    from recipes.run_state import RunState
-    from recipes.trainer import Trainer
+    from recipes.architecture import training_flops_per_token
+    from recipes.training.callbacks import PeriodicCheckpoint, callbacks_for
+    from recipes.training.checkpointing import Checkpointer
+    from recipes.training.run_state import RunState
+    from recipes.training.trainer import Trainer
 
     shape = config.model_config
     flops = training_flops_per_token(
@@ -152,8 +152,8 @@ class Bench:
         return losses
 
     def recipe(self, document_masking: bool) -> None:
-        from recipes.attention import DocumentMasking
-        from recipes.run_state import StopSignals
+        from recipes.training.attention import DocumentMasking
+        from recipes.training.run_state import StopSignals
 
         masking = DocumentMasking.of(document_masking, EOS_ID, self.attn_implementation)
         recipe_trainer(self.config, self.accelerator, self.model, self.optimizer, self.micro_batches, self.metrics,
@@ -165,9 +165,9 @@ def build_bench(args, overrides: list[str]) -> Bench:
     from accelerate.utils import set_seed
 
     from recipes.config import load_config
-    from recipes.metrics import MetricsWriter
-    from recipes.model import build_engine, detect_attn_implementation, llama_config
-    from recipes.startup import configure_logging, setup_distributed
+    from recipes.telemetry.metrics import MetricsWriter
+    from recipes.training.model import build_engine, detect_attn_implementation, llama_config
+    from recipes.training.startup import configure_logging, setup_distributed
 
     run_dir = tempfile.mkdtemp(prefix="step_overhead_")
     config = load_config(
@@ -224,7 +224,7 @@ def time_loops(bench: Bench, args) -> dict[str, Any]:
 
 
 def worker(args, overrides: list[str]) -> None:
-    from recipes.plan import training_flops_per_token
+    from recipes.architecture import training_flops_per_token
 
     bench = build_bench(args, overrides)
     measured = time_loops(bench, args)

@@ -55,3 +55,16 @@ def with_repo_on_path(environ, repo=None) -> dict[str, str]:
     root = str(repo or Path(__file__).resolve().parent.parent)
     rest = environ.get("PYTHONPATH")
     return {**environ, "PYTHONPATH": root + (os.pathsep + rest if rest else "")}
+
+
+def local_world_size() -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE; outside a launch, the world size (one node), else 1."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -23,7 +23,7 @@ import torch
 from eval.harness import BenchmarkSettings, evaluate, format_table, headline_scores, write_results
 
 logger = logging.getLogger("eval")
-# Every rank runs every request today; the planner prices evaluation by this (recipes.eval_cost).
+# Every rank runs every request today; the planner prices evaluation by this (recipes.planning.eval_cost).
 SPLITS_REQUESTS_OVER_RANKS = False
 
 
@@ -44,7 +44,7 @@ def restore_rng_state(state: dict) -> None:
 
 def benchmark_timings(results: dict, seconds: float) -> dict[str, float]:
     """Seconds in all, per document, and per MMLU document (its scoring: loglikelihood requests) and per GSM8K
-    document (its generations): what `recipes.eval_cost` prices."""
+    document (its generations): what `recipes.planning.eval_cost` prices."""
     samples = {task: n["effective"] for task, n in results["n-samples"].items()}
     documents = sum(samples.values())
     timings = {"benchmark_seconds": seconds, "benchmark_seconds_per_document": seconds / max(documents, 1)}

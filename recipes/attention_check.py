@@ -5,10 +5,11 @@
 
 Builds the recipe's model (any depth with `--num-layers`: attention is the same in every layer) and one micro-batch
 of `per_device_train_batch_size` rows of `max_seq_length` tokens, packed from random documents the way training
-packs them (`data_prep.packing`), with the model inputs training gives it (`recipes.attention`). Runs it, runs every
-document alone, and prints one JSON line: `attn_implementation`, `micro_batch`, `document_masking`, `path` (`varlen`,
-`block_mask` or `none`: the branch transformers took), `kernel`, `max_abs_diff` between the packed logits and each
-document's own, and `ok` (the difference within `tolerance`). Exit code 0 when ok, 1 when not, 2 for bad input.
+packs them (`data_prep.packing`), with the model inputs training gives it (`recipes.training.attention`). Runs it,
+runs every document alone, and prints one JSON line: `attn_implementation`, `micro_batch`, `document_masking`,
+`path` (`varlen`, `block_mask` or `none`: the branch transformers took), `kernel`, `max_abs_diff` between the packed
+logits and each document's own, and `ok` (the difference within `tolerance`). Exit code 0 when ok, 1 when not,
+2 for bad input.
 
 `flash_attention_2` needs flash-attn and a GPU. Without them the model runs through transformers' own flash-attention
 entry points (`flash_attention_forward`, `_flash_attention_forward`, which choose the branch) with a reference
@@ -149,8 +150,8 @@ def build_model(config, *, device: str, dtype_name: str, num_layers: int | None,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from recipes.model import detect_attn_implementation, llama_config
-    from recipes.plan import llama_parameter_count
+    from recipes.architecture import llama_parameter_count
+    from recipes.training.model import detect_attn_implementation, llama_config
 
     model_config = llama_config(config, vocab_size or _tokenizer_facts(config)[1])
     if num_layers:
@@ -195,7 +196,7 @@ def run_check(config, *, device: str, dtype_name: str, num_layers: int | None = 
     """The JSON object the CLI prints."""
     from transformers.masking_utils import find_packed_sequence_indices
 
-    from recipes.attention import DocumentMasking
+    from recipes.training.attention import DocumentMasking
 
     requested, eos_id = config.attn_implementation, _tokenizer_facts(config)[0]
     model, real_flash, kernel = build_model(config, device=device, dtype_name=dtype_name, num_layers=num_layers,

@@ -24,17 +24,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.process import peak_rss_bytes
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.files import atomic_write_text
-from recipes import checkpointing
 from recipes.config import ConfigError, PretrainConfig, config_from_dict
+from recipes.training import checkpointing
 
 if TYPE_CHECKING:
-    from recipes.run_state import Stop
-    from recipes.startup import Launch
-    from recipes.trainer import Trainer
+    from recipes.training.run_state import Stop
+    from recipes.training.startup import Launch
+    from recipes.training.trainer import Trainer
 
 logger = logging.getLogger("pretrain")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -79,7 +81,7 @@ def export_checkpoint(
         tokenizer = load_tokenizer(tokenizer_path or config.tokenizer_name_or_path, "the run's tokenizer (--tokenizer)")
     except TokenizerLoadError as error:
         raise ConfigError(str(error)) from None
-    from recipes.model import llama_config, with_token_ids
+    from recipes.training.model import llama_config, with_token_ids
 
     model_config = with_token_ids(llama_config(config, len(tokenizer)), tokenizer)
     staging = output.with_name(f".{output.name}.tmp")
@@ -162,8 +164,8 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
     yet), then the summary, report and loss plot. The main process writes; the other ranks are done."""
     from accelerate.utils import gather_object
 
-    from recipes.metrics import peak_host_memory_gb, plan_vs_measured, read_metrics, write_run_outputs
-    from recipes.run_state import StopReason
+    from recipes.telemetry.metrics import peak_host_memory_gb, plan_vs_measured, read_metrics, write_run_outputs
+    from recipes.training.run_state import StopReason
 
     state, run_dir = trainer.state, Path(config.output_dir)
     source = trainer.save()  # a collective; returns the newest checkpoint when this step is saved already
@@ -207,9 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    import resource
 
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mb = peak_rss_bytes() / 2**20
     print(f"exported {args.checkpoint} to {output} (peak memory {peak_mb:.0f} MB)")
     return 0
 

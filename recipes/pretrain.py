@@ -36,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         return report_error(error)
     # torch and DeepSpeed are imported only now, so that --help and a bad config answer at once
-    from recipes.checkpointing import CheckpointError, CheckpointSaveError
     from recipes.export import export_run
-    from recipes.run_state import StopReason, TrainingFault
-    from recipes.startup import check_launch
-    from recipes.train_data import DataStallError
-    from recipes.trainer import build_trainer
+    from recipes.training.checkpointing import CheckpointError, CheckpointSaveError
+    from recipes.training.run_state import StopReason, TrainingFault
+    from recipes.training.startup import check_launch
+    from recipes.training.train_data import DataStallError
+    from recipes.training.trainer import build_trainer
 
     try:
         launch = check_launch(config)

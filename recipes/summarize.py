@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from recipes.metrics import read_metrics, run_report
+from recipes.telemetry.metrics import read_metrics, run_report
 
 SAMPLE_PROMPT = "def "
 

@@ -1,14 +1,14 @@
 """Document masking on every attention path: the inputs the recipe gives the model, the branch transformers takes
-with them, and packed documents against each document alone (recipes.attention, recipes.attention_check)."""
+with them, and packed documents against each document alone (recipes.training.attention, recipes.attention_check)."""
 
 import json
 
 import pytest
 import torch
 
-from recipes import attention
 from recipes.attention_check import document_spans, main, packed_batch, run_check
 from recipes.config import ATTN_IMPLEMENTATIONS, load_config
+from recipes.training import attention
 from tests.conftest import TINY_RECIPE
 
 TINY = ["--model_config.vocab_size", "512", "--model_config.num_hidden_layers", "2", "--max_seq_length", "96"]

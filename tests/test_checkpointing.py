@@ -5,7 +5,7 @@ import json
 import pytest
 
 from common.files import sha256_of
-from recipes.checkpointing import (
+from recipes.training.checkpointing import (
     CheckpointError,
     checkpoints_to_delete,
     find_resume_checkpoint,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from recipes.metrics import read_metrics
+from recipes.telemetry.metrics import read_metrics
 from tests.conftest import CPU_ACCELERATE_CONFIG, LAUNCH_ENV, REPO, free_port, launch, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess

@@ -1,5 +1,5 @@
-"""The planner's price of in-loop benchmarks (recipes.eval_cost, `eval_*` in the plan) and the timings a run logs
-beside it (eval.in_loop.benchmark_timings)."""
+"""The planner's price of in-loop benchmarks (recipes.planning.eval_cost, `eval_*` in the plan) and the timings a
+run logs beside it (eval.in_loop.benchmark_timings)."""
 
 import json
 import math
@@ -7,9 +7,10 @@ import math
 import pytest
 
 from eval.in_loop import benchmark_timings
-from recipes import plan as planner
+from recipes import planning as planner
 from recipes.config import load_config
-from recipes.eval_cost import GSM8K_TEST_DOCUMENTS, MMLU_TEST_DOCUMENTS, EvalWork, eval_cost, forward_passes
+from recipes.config.deepspeed import load_deepspeed_json
+from recipes.planning.eval_cost import GSM8K_TEST_DOCUMENTS, MMLU_TEST_DOCUMENTS, EvalWork, eval_cost, forward_passes
 from tests.conftest import REPO
 
 RECIPE_8 = REPO / "recipes/configs/llama70b_a800x8.yaml"
@@ -45,9 +46,7 @@ def test_seconds_are_gathers_plus_the_longer_of_compute_and_host_work():
 
 def test_the_plan_prices_the_70b_recipe_and_warns_when_benchmarks_dominate(capsys):
     full = load_config(RECIPE_8, ["--eval_limit", "null", "--model_config.vocab_size", "32000"])
-    plan = planner.make_plan(
-        full, planner.hardware_from(full), planner.load_deepspeed_json(planner.DEFAULT_DEEPSPEED_JSON)
-    )
+    plan = planner.make_plan(full, planner.hardware_from(full), load_deepspeed_json(planner.DEFAULT_DEEPSPEED_JSON))
     assert plan.eval_documents == {"mmlu": MMLU_TEST_DOCUMENTS, "gsm8k": GSM8K_TEST_DOCUMENTS}
     assert plan.eval_share > 0.10 and plan.eval_seconds > 86_400, "a full pass at 70B on PCIe costs days"
     assert any(w.startswith("benchmarks take") and "eval_limit" in w for w in plan.warnings)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from eval import fixtures
-from recipes.metrics import read_metrics
+from recipes.telemetry.metrics import read_metrics
 from tests.conftest import REPO, launch, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess

@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
-from recipes.checkpointing import manifest_problems, verify_checksums
-from recipes.metrics import read_metrics
-from recipes.run_state import LossSpikeRule
+from recipes.telemetry.metrics import read_metrics
+from recipes.training.checkpointing import manifest_problems, verify_checksums
+from recipes.training.run_state import LossSpikeRule
 from tests.conftest import REPO, data_position, launch_command, start, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess

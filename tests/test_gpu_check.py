@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check_report
 from tests.conftest import LAUNCH_ENV, REPO
 
 
@@ -20,23 +20,23 @@ def training_run(**changes) -> dict:
     plan = {"bf16_parameter_shard": 2.2, "optimizer_states": 13.2, "fp32_gradient_partition": 4.4,
             "bf16_gradient_shard": 2.2, "largest_layer_gathered": 0.3, "reduce_bucket": 0.4, "prefetch_bucket": 0.4,
             "live_parameters": 2.0, "activations": 6.0, "logits": 1.6, "cuda_context": 1.5, "total": 36.0}  # fmt: skip
-    run["plan_memory"] = gpu_check.memory_against_plan(run, plan)
+    run["plan_memory"] = gpu_check_report.memory_against_plan(run, plan)
     return run
 
 
 def test_targets_are_met_and_missed_by_the_numbers():
     good = {"dry_run": False, "stages": {"training": [training_run()]}, "skipped": [], "targets": []}
-    targets = gpu_check.judge(good)
+    targets = gpu_check_report.judge(good)
     assert [t["met"] for t in targets] == [True, True, True]
     assert targets[2]["value"] == pytest.approx(33.0 / 34.5)
     slow = training_run(recipe_mfu=0.12, recipe_s_per_step=1.2, peak_reserved_gb=50.0, peak_allocated_gb=45.0)
-    missed = gpu_check.judge({**good, "stages": {"training": [slow]}})
+    missed = gpu_check_report.judge({**good, "stages": {"training": [slow]}})
     assert [t["met"] for t in missed] == [False, False, False]
     assert missed[2]["term_off"].startswith("one step's additions")
     good["targets"] = targets
-    markdown = gpu_check.render_markdown(good)
+    markdown = gpu_check_report.render_markdown(good)
     assert "| 2 | off | sdpa |" in markdown and "## Targets" in markdown
-    assert gpu_check.docs_row(good).count("|") == 12
+    assert gpu_check_report.docs_row(good).count("|") == 12
 
 
 @pytest.mark.multiprocess

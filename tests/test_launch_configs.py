@@ -9,7 +9,7 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from recipes.config import ConfigError, load_config
-from recipes.deepspeed_config import load_deepspeed_json, resolve_deepspeed_config
+from recipes.config.deepspeed import load_deepspeed_json, resolve_deepspeed_config
 from tests.conftest import REPO
 
 ACCELERATE_CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))

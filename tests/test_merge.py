@@ -9,7 +9,8 @@ import pytest
 
 from data_prep.merge import main as merge_main
 from data_prep.merge import merge
-from data_prep.preprocess import preprocess, select_part
+from data_prep.pipeline import select_part
+from data_prep.preprocess import preprocess
 from data_prep.readers import iter_texts
 
 SEQ = 64

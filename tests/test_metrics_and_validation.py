@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from recipes import metrics
-from recipes.validation import rank_batches
+from recipes.telemetry import metrics
+from recipes.training.validation import rank_batches
 
 
 def test_tokens_per_second_and_mfu():

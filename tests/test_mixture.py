@@ -13,8 +13,8 @@ from data_prep.mixture import Blend, MixtureError
 from data_prep.packed_dataset import MixedRows, PackedRows
 from data_prep.preprocess import preprocess
 from recipes.config import ConfigError, PretrainConfig, config_from_dict
-from recipes.metrics import read_metrics
-from recipes.train_data import TrainData
+from recipes.telemetry.metrics import read_metrics
+from recipes.training.train_data import TrainData
 from tests.conftest import REPO, launch, tiny_overrides
 
 

@@ -5,15 +5,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import recipes.model as model_module
+import recipes.training.model as model_module
+from recipes.architecture import training_flops_per_token
 from recipes.config import load_config
-from recipes.model import (
+from recipes.training.model import (
     choose_attn_implementation,
     count_parameters,
     enable_chunked_checkpointing,
     optimizer_param_groups,
 )
-from recipes.plan import training_flops_per_token
 from tests.conftest import REPO
 
 

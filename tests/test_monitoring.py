@@ -2,8 +2,8 @@ import json
 import re
 import urllib.request
 
-from recipes import metrics
-from recipes.monitoring import PrometheusExporter, exported_names
+from recipes.telemetry import metrics
+from recipes.telemetry.monitoring import PrometheusExporter, exported_names
 from tests.conftest import REPO, free_port
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from recipes.metrics import read_metrics
+from recipes.telemetry.metrics import read_metrics
 from tests.conftest import REPO, data_position, free_port, start, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess

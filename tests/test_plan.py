@@ -8,9 +8,10 @@ import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from recipes import plan as planner
+from recipes import planning as planner
+from recipes.architecture import llama_parameter_count
 from recipes.config import load_config
-from recipes.deepspeed_config import load_deepspeed_json
+from recipes.config.deepspeed import load_deepspeed_json
 from tests.conftest import REPO
 
 ZERO3 = load_deepspeed_json(REPO / "accelerate_configs/deepspeed/zero3.json")
@@ -41,7 +42,7 @@ def plan_for(path, vocab_size=32_000, ds_config=ZERO3, overrides=(), **hardware)
 def test_parameter_count_equals_transformers(shape):
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**shape))
-    total, largest = planner.llama_parameter_count(**shape)
+    total, largest = llama_parameter_count(**shape)
     assert total == sum(p.numel() for p in model.parameters())
     assert largest == max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
 
@@ -154,7 +155,7 @@ def test_the_sbatch_time_limit_signal_leaves_time_to_finish_a_step_and_save(scri
 
 
 def test_the_zero3_knobs_are_counted_as_the_resolved_json_states_them():
-    from recipes.deepspeed_config import resolve_deepspeed_config
+    from recipes.config.deepspeed import resolve_deepspeed_config
 
     config = load_config(RECIPE_8)
     resolved = resolve_deepspeed_config(ZERO3, config, 8)

@@ -8,10 +8,11 @@ import time
 
 import pytest
 
-from recipes import plan as planner
-from recipes.config import load_config
-from recipes.deepspeed_config import load_deepspeed_json
-from recipes.step_time import Workload, Zero3, collective_s, step_time, wires_from
+from recipes import planning as planner
+from recipes.architecture import llama_parameter_count, training_flops_per_token
+from recipes.config import ConfigError, load_config
+from recipes.config.deepspeed import load_deepspeed_json
+from recipes.planning.step_time import Workload, Zero3, collective_s, step_time, wires_from
 from tests.conftest import REPO
 
 ZERO3 = load_deepspeed_json(REPO / "accelerate_configs/deepspeed/zero3.json")
@@ -41,8 +42,8 @@ def test_the_70b_traffic_per_micro_batch_is_what_zero3_moves():
     config = load_config(RECIPE_8)
     hardware = planner.hardware_from(config)
     shape = {**config.model_config, "vocab_size": 32_000}
-    params, _ = planner.llama_parameter_count(**shape)
-    flops = planner.training_flops_per_token(params, 80, 2048, 8192)
+    params, _ = llama_parameter_count(**shape)
+    flops = training_flops_per_token(params, 80, 2048, 8192)
     modelled = planner.predicted_step(config, hardware, ZERO3, shape, params, flops)
     assert modelled.gathers_per_micro_batch == 3
     assert modelled.traffic_gb["gather_per_gpu"] == pytest.approx(3 * 2 * params / 1e9, rel=1e-3)
@@ -84,9 +85,9 @@ def test_flags_override_the_profiles_wires():
     faster = plan_for(RECIPE_16, inter_node_gbps=800, intra_node_gb_s=155)
     assert faster.step_time_breakdown_s["communication"] < base.step_time_breakdown_s["communication"]
     assert faster.wires["inter-node GB/s"] == pytest.approx(800 / 8 * 0.9)
-    with pytest.raises(planner.ConfigError, match="--overlap 1.5"):
+    with pytest.raises(ConfigError, match="--overlap 1.5"):
         plan_for(RECIPE_16, overlap=1.5)
-    with pytest.raises(planner.ConfigError, match="need an interconnect"):
+    with pytest.raises(ConfigError, match="need an interconnect"):
         plan_for(RECIPE_8, nodes=2, gpus=16, overrides=["--gradient_accumulation_steps", "4"])
 
 
@@ -138,7 +139,7 @@ def test_search_ranks_what_fits_fast_and_places_the_shipped_recipe(capsys):
     assert time.perf_counter() - started < 5
     text = capsys.readouterr().out
     assert text.count(" tokens/s  MFU") == 5 and "the shipped recipe (micro 2 x accum 4" in text
-    from recipes.plan_search import search
+    from recipes.planning.search import search
 
     config = load_config(RECIPE_16)
     ranked, shipped, rank = search(config, planner.hardware_from(config), ZERO3, vocab_size=32_000)
@@ -191,7 +192,7 @@ def test_hpz_trains_on_the_cpu_with_the_losses_of_plain_zero3(tmp_path, corpus):
         process = start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=LAUNCH_ENV)
         _, stderr = process.communicate(timeout=900)
         assert process.returncode == 0, stderr[-3000:]
-        from recipes.metrics import read_metrics
+        from recipes.telemetry.metrics import read_metrics
 
         losses[name] = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in r]
     assert len(losses["hpz"]) == 6 and losses["hpz"] == losses["plain"]

@@ -24,7 +24,7 @@ from data_prep.packing import pack_documents
 from data_prep.preprocess import PreprocessError, main, preprocess
 from data_prep.readers import iter_texts
 from recipes.config import PretrainConfig
-from recipes.train_data import TrainData
+from recipes.training.train_data import TrainData
 from tests.conftest import LAUNCH_ENV, REPO
 
 SEQ = 64

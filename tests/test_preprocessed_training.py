@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data_prep.preprocess import preprocess
-from recipes.metrics import read_metrics
+from recipes.telemetry.metrics import read_metrics
 from tests.conftest import REPO, data_position, forge_data_position, launch, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from recipes.checkpointing import verify_checksums
 from recipes.config import load_config
-from recipes.metrics import read_metrics
-from recipes.schedule import lr_at_step
-from recipes.validation import load_validation_rows
+from recipes.telemetry.metrics import read_metrics
+from recipes.training.checkpointing import verify_checksums
+from recipes.training.schedule import lr_at_step
+from recipes.training.validation import load_validation_rows
 from tests.conftest import LAUNCH_ENV, REPO, TINY_RECIPE, data_position, launch, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess

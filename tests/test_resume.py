@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from recipes.metrics import read_metrics
-from recipes.validation import load_validation_rows
+from recipes.telemetry.metrics import read_metrics
+from recipes.training.validation import load_validation_rows
 from tests.conftest import (
     LAUNCH_ENV,
     REPO,

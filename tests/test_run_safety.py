@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from recipes.metrics import read_metrics
+from recipes.telemetry.metrics import read_metrics
 from tests.conftest import LAUNCH_ENV, REPO, launch, launch_command, start, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess

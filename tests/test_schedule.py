@@ -5,7 +5,7 @@ import torch
 from transformers import get_scheduler
 
 from recipes.config import load_config
-from recipes.schedule import lr_at_step
+from recipes.training.schedule import lr_at_step
 from tests.conftest import REPO
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from recipes.metrics import read_metrics
+from recipes.telemetry.metrics import read_metrics
 from tests import slurm_cluster
 from tests.conftest import REPO, TEST_BF16, free_port
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.metrics import read_metrics
+from recipes.telemetry.metrics import read_metrics
 from tests.conftest import LAUNCH_ENV, REPO, launch, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from recipes.config import load_config
-from recipes.deepspeed_config import offloads_optimizer
-from recipes.model import build_model, build_optimizer, llama_config, optimizer_param_groups
-from recipes.startup import setup_distributed
+from recipes.config.deepspeed import offloads_optimizer
+from recipes.training.model import build_model, build_optimizer, llama_config, optimizer_param_groups
+from recipes.training.startup import setup_distributed
 
 STEPS = 2
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from common.collectives import on_main_process
 from common.lock import DirectoryLock, LockedError, describe
-from recipes import checkpointing
 from recipes.config import ConfigError, PretrainConfig
+from recipes.training import checkpointing
 
 logger = logging.getLogger("pretrain")
 

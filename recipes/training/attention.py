@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# The attention implementations the recipe accepts, and how each masks documents from position ids.
-MASKING_PATHS = {"flash_attention_2": "varlen", "sdpa": "block_mask", "eager": "block_mask"}
+from recipes.config import ATTN_MASKING_PATHS as MASKING_PATHS
 
 
 def masking_path(attn_implementation: str, document_masking: bool) -> str:

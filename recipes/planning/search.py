@@ -55,7 +55,7 @@ def with_zero(ds_config: dict[str, Any], choice: Choice, gpus_per_node: int, nod
 
 
 def shipped_choice(config: PretrainConfig, ds_config: dict[str, Any]) -> Choice:
-    from recipes.deepspeed_config import offloads
+    from recipes.config.deepspeed import offloads
 
     zero = ds_config.get("zero_optimization", {})
     return Choice(
@@ -68,7 +68,7 @@ def shipped_choice(config: PretrainConfig, ds_config: dict[str, Any]) -> Choice:
 
 def search(config: PretrainConfig, hardware, ds_config: dict[str, Any], vocab_size: int | None = None):
     """(ranked (choice, plan) pairs that fit, the shipped choice, its rank from 1 or None when it does not fit)."""
-    from recipes.plan import make_plan
+    from recipes.planning.plan import make_plan
 
     world = hardware.gpus
     rows = config.resolved_global_batch_size(world)

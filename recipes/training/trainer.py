@@ -2,62 +2,36 @@
 
 `fit()` is the loop, `train_step()` one optimizer step. Everything that happens at intervals (metric logging,
 the loss-spike rule, benchmarks, validation and early stopping, checkpoints, the progress bar) is a callback
-(`recipes.callbacks`), called on every rank at the same point of every step.
+(`recipes.training.callbacks`), called on every rank at the same point of every step.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from common.collectives import any_rank, ranks_where
-from recipes.attention import DocumentMasking
-from recipes.callbacks import Callback, Control
-from recipes.checkpointing import Checkpointer, step_of
+from common.process import local_world_size
 from recipes.config import ConfigError, PretrainConfig
-from recipes.metrics import MetricsWriter
-from recipes.model import replay_cpu_adam_bias_correction
-from recipes.run_state import RunState, Stop, StopReason, StopSignals, TrainingFault
-from recipes.schedule import lr_at_step
-from recipes.train_data import TrainData
+from recipes.telemetry.metrics import MetricsWriter
+from recipes.training.attention import DocumentMasking
+from recipes.training.callbacks import Callback
+from recipes.training.checkpointing import Checkpointer, step_of
+from recipes.training.interface import Control, StepResult, StepWindow
+from recipes.training.model import replay_cpu_adam_bias_correction
+from recipes.training.run_state import RunState, Stop, StopReason, StopSignals, TrainingFault
+from recipes.training.schedule import lr_at_step
+from recipes.training.train_data import TrainData
 
 if TYPE_CHECKING:
-    from recipes.startup import Launch
+    from recipes.training.startup import Launch
 
 logger = logging.getLogger("pretrain")
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step produced on this rank."""
-
-    losses: list[torch.Tensor]  # one detached loss per micro-batch
-    lr: float
-
-
-class StepWindow:
-    """Sums since the last metric line, on this rank: loss, micro-batches, tokens, and step seconds (evaluation
-    and saving excluded). `MetricLogger` reduces them over ranks and resets them."""
-
-    def __init__(self, device):
-        self.totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, micro-batches, tokens
-        self.seconds = 0.0
-
-    def add(self, loss: torch.Tensor, num_tokens: int) -> None:
-        self.totals[0] += loss.detach().double()
-        self.totals[1] += 1
-        self.totals[2] += num_tokens
-
-    def reset(self) -> None:
-        self.totals.zero_()
-        self.seconds = 0.0
 
 
 class Trainer:
@@ -72,7 +46,7 @@ class Trainer:
         self.num_parameters = num_parameters
         for callback in self.callbacks:
             if not isinstance(callback, Callback):
-                raise TypeError(f"{callback!r} is not a recipes.callbacks.Callback")
+                raise TypeError(f"{callback!r} is not a recipes.training.callbacks.Callback")
         world = accelerator.num_processes
         self.total_steps = config.total_steps(world)
         self.tokens_per_step = config.resolved_global_batch_size(world) * config.max_seq_length
@@ -205,14 +179,14 @@ class Trainer:
 def metrics_writer(config: PretrainConfig, accelerator) -> MetricsWriter:
     """metrics.jsonl and the trackers on the main process (trackers started with the resolved recipe), and a
     Prometheus exporter on every node's local rank 0 for that node's ranks."""
-    from recipes import trackers
+    from recipes.telemetry import trackers
 
     trackers.start(accelerator, config.to_dict(), config.output_dir)
     exporter = None
     if config.prometheus_port is not None and accelerator.is_local_main_process:
-        from recipes.monitoring import PrometheusExporter
+        from recipes.telemetry.monitoring import PrometheusExporter
 
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        per_node = local_world_size()
         node = accelerator.process_index // per_node
         exporter = PrometheusExporter(config.prometheus_port, node, list(range(node * per_node, (node + 1) * per_node)))
     uses_trackers = accelerator.is_main_process and bool(accelerator.trackers)
@@ -223,10 +197,10 @@ def metrics_writer(config: PretrainConfig, accelerator) -> MetricsWriter:
 
 def build_trainer(config: PretrainConfig, launch: Launch) -> Trainer:
     """The model, the Trainer with its callbacks and checkpointer, restored from the chosen checkpoint."""
-    from recipes import resume, startup
-    from recipes.callbacks import callbacks_for
-    from recipes.model import build_engine
-    from recipes.plan import training_flops_per_token
+    from recipes.architecture import training_flops_per_token
+    from recipes.training import resume, startup
+    from recipes.training.callbacks import callbacks_for
+    from recipes.training.model import build_engine
 
     accelerator, inputs, run_dir = launch.accelerator, launch.inputs, Path(config.output_dir)
     validation_rows = startup.validation_rows(config, inputs)

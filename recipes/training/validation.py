@@ -13,7 +13,7 @@ import math
 import torch
 
 from data_prep.stream import PackedTextStream
-from recipes.attention import DocumentMasking
+from recipes.training.attention import DocumentMasking
 
 
 def load_validation_rows(sources, tokenizer, seq_len: int, text_field: str, max_rows: int | None) -> torch.Tensor:

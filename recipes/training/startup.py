@@ -13,15 +13,18 @@ from pathlib import Path
 import torch
 
 from common.collectives import on_every_rank, on_main_process
+from common.process import local_world_size
 from data_prep.readers import resolve_sources
 from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
 from eval.harness import BenchmarkSettings
-from recipes import attention, checkpointing, deepspeed_config
-from recipes.config import ConfigError, PretrainConfig, validate_against_model, validate_for_world
-from recipes.model import detect_attn_implementation, llama_config
-from recipes.plan import format_plan, live_hardware, make_plan, plan_predictions
-from recipes.resume import run_identity
-from recipes.train_data import open_train_source
+from recipes.config import ConfigError, PretrainConfig, deepspeed, validate_against_model, validate_for_world
+from recipes.planning.hardware import live_hardware
+from recipes.planning.plan import make_plan, plan_predictions
+from recipes.planning.report import format_plan
+from recipes.training import attention, checkpointing
+from recipes.training.model import detect_attn_implementation, llama_config
+from recipes.training.resume import run_identity
+from recipes.training.train_data import open_train_source
 
 logger = logging.getLogger("pretrain")
 
@@ -36,7 +39,7 @@ def setup_distributed(config: PretrainConfig):
         # Without CUDA accelerate finds no backend and every rank believes it is rank 0 of 1,
         # while DeepSpeed runs 2: sharding, logging and saving would silently go wrong.
         PartialState(backend="gloo")
-    ds_path = deepspeed_config.launched_config_path()
+    ds_path = deepspeed.launched_config_path()
     if ds_path is None:
         raise ConfigError(
             "no DeepSpeed config: launch with `accelerate launch --config_file accelerate_configs/<file>.yaml "
@@ -44,11 +47,9 @@ def setup_distributed(config: PretrainConfig):
         )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_for_world(config, world_size)
-    ds_config = deepspeed_config.resolve_deepspeed_config(
-        deepspeed_config.load_deepspeed_json(ds_path), config, world_size
-    )
-    plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=deepspeed_config.zero3_init_requested())
-    from recipes.trackers import trackers_for
+    ds_config = deepspeed.resolve_deepspeed_config(deepspeed.load_deepspeed_json(ds_path), config, world_size)
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=deepspeed.zero3_init_requested())
+    from recipes.telemetry.trackers import trackers_for
 
     accelerator = Accelerator(
         deepspeed_plugin=plugin,
@@ -64,7 +65,7 @@ def setup_distributed(config: PretrainConfig):
 def check_gpus_per_node() -> None:
     """An accelerate config for 8 GPUs on a machine with fewer starts 8 CPU ranks that fail minutes later, far from
     the cause: say it now. DS_ACCELERATOR=cpu marks a deliberate CPU rehearsal (the tests, the demo)."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    per_node = local_world_size()
     gpus = torch.cuda.device_count()
     if per_node > gpus and os.environ.get("DS_ACCELERATOR") != "cpu":
         raise ConfigError(
@@ -93,7 +94,7 @@ class RunInputs:
     train_source: object  # PackedRows, MixedRows, or raw file paths
     validation_sources: list[str]
     benchmarks: BenchmarkSettings | None
-    identity: dict  # what defines the run: a checkpoint of another run is not resumed (recipes.resume)
+    identity: dict  # what defines the run: a checkpoint of another run is not resumed (recipes.training.resume)
     predictions: dict  # the plan's step time, tokens/s and peak memory, put beside the measured ones at the end
 
 
@@ -164,7 +165,7 @@ def validation_rows(config: PretrainConfig, inputs: RunInputs):
     """Held-out rows, identical on every rank; None without validation_files."""
     if not inputs.validation_sources:
         return None
-    from recipes.validation import load_validation_rows
+    from recipes.training.validation import load_validation_rows
 
     rows = load_validation_rows(
         inputs.validation_sources, inputs.tokenizer, config.max_seq_length, config.text_field, config.max_eval_samples
@@ -189,15 +190,15 @@ def benchmark_settings(config: PretrainConfig) -> BenchmarkSettings | None:
 
 @dataclass
 class Launch:
-    """A launch that passed every check: what `recipes.trainer.build_trainer` builds on."""
+    """A launch that passed every check: what `recipes.training.trainer.build_trainer` builds on."""
 
     accelerator: object
     ds_config: dict
     lock: object  # common.lock.DirectoryLock on the main process, else None
     inputs: RunInputs
-    data: object  # recipes.train_data.TrainData
+    data: object  # recipes.training.train_data.TrainData
     resume_from: Path | None
-    signals: object  # recipes.run_state.StopSignals
+    signals: object  # recipes.training.run_state.StopSignals
 
     @property
     def universal(self) -> bool:
@@ -211,9 +212,9 @@ def check_launch(config: PretrainConfig) -> Launch:
     run's config files the last. A collective."""
     from accelerate.utils import set_seed
 
-    from recipes import output_dir, resume
-    from recipes.run_state import StopSignals
-    from recipes.train_data import TrainData
+    from recipes.training import output_dir, resume
+    from recipes.training.run_state import StopSignals
+    from recipes.training.train_data import TrainData
 
     accelerator, ds_config = setup_distributed(config)
     configure_logging(accelerator)

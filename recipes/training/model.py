@@ -170,7 +170,7 @@ def build_engine(config: PretrainConfig, model_config, attn_implementation: str,
     engine; returns (engine, optimizer, number of parameters). A collective on every rank."""
     import logging
 
-    from recipes.deepspeed_config import offloads_optimizer
+    from recipes.config.deepspeed import offloads_optimizer
 
     logger = logging.getLogger("pretrain")
     dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32

@@ -5,8 +5,8 @@ generation runs one forward per generated token. lm-eval scores an MMLU document
 answers share the context: `group_by="contexts"` with the logits cache), so a loglikelihood batch of b rows scores
 b documents. A GSM8K batch of b documents is one `generate` call: a prefill and up to `max_gen_toks` one-token
 forwards (a model that does not stop early runs all of them; the priced case). A forward costs the gather (from the
-same wire model as training, `recipes.step_time.collective_s`) plus the longer of its compute (2·N FLOPs per token,
-at the training compute efficiency) and ZeRO-3's host work for one pass (`recipes.step_time.host_s_per_pass`).
+same wire model as training, `step_time.collective_s`) plus the longer of its compute (2·N FLOPs per token, at the
+training compute efficiency) and ZeRO-3's host work for one pass (`step_time.host_s_per_pass`).
 
 Prompt lengths are estimates for the SPEC's 5-shot prompts with a Llama-2-sized vocabulary (about 110 tokens per
 MMLU example and 160 per GSM8K example, question and answer): they set the compute term, which is small next to the

@@ -17,10 +17,10 @@ import yaml
 from common.files import sha256_of
 from data_prep.format import MANIFEST as DATA_MANIFEST
 from data_prep.format import is_preprocessed, tokenizer_identity
-from recipes import checkpointing
-from recipes.checkpointing import CheckpointError
 from recipes.config import MODEL_CONFIG_KEYS, PretrainConfig, config_from_dict
-from recipes.train_data import TrainData
+from recipes.training import checkpointing
+from recipes.training.checkpointing import CheckpointError
+from recipes.training.train_data import TrainData
 
 logger = logging.getLogger("pretrain")
 
@@ -83,7 +83,7 @@ def saved_identity(path: Path, tokenizer) -> dict[str, Any]:
     from their config.yaml (the tokenizer's content could not be recorded then: this launch's stands in)."""
     if (path / RUN_IDENTITY).is_file():
         return json.loads((path / RUN_IDENTITY).read_text())
-    from recipes.model import llama_config
+    from recipes.training.model import llama_config
 
     saved = config_from_dict(yaml.safe_load((path / checkpointing.RESOLVED_CONFIG).read_text()), str(path))
     world = checkpointing.read_manifest(path)["world_size"]

@@ -15,45 +15,36 @@ the order the callbacks were given:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from recipes import metrics
-from recipes.attention import DocumentMasking
-from recipes.run_state import LossSpikeRule, Stop, StopReason
-from recipes.validation import validation_loss
+from recipes.telemetry import metrics
+from recipes.training.attention import DocumentMasking
+from recipes.training.interface import Control, StepResult, TrainerView
+from recipes.training.run_state import LossSpikeRule, Stop, StopReason
+from recipes.training.validation import validation_loss
 
 if TYPE_CHECKING:
     from eval.harness import BenchmarkSettings
-    from recipes.trainer import StepResult, Trainer
 
 logger = logging.getLogger("pretrain")
-
-
-@dataclass
-class Control:
-    """What the callbacks of one step decided."""
-
-    stop: Stop | None = None
-    step_undone: bool = False
 
 
 class Callback:
     """Base class: every method does nothing unless overridden."""
 
-    def on_train_start(self, trainer: Trainer) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         pass
 
-    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+    def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         pass
 
-    def on_save(self, trainer: Trainer, path: Path) -> None:
+    def on_save(self, trainer: TrainerView, path: Path) -> None:
         pass
 
-    def on_train_end(self, trainer: Trainer, stop: Stop) -> None:
+    def on_train_end(self, trainer: TrainerView, stop: Stop) -> None:
         pass
 
 
@@ -66,7 +57,7 @@ class LossSpikeGuard(Callback):
         self.rule = LossSpikeRule(factor, window)
         self.action, self.max_rollbacks, self.rollbacks = action, max_rollbacks, 0
 
-    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+    def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         # One scalar all-reduce per step (a 70B step takes ~100 s).
         step_loss = trainer.accelerator.reduce(torch.stack(result.losses).double().mean(), reduction="mean").item()
         running_mean = self.rule.check(step_loss)
@@ -100,7 +91,7 @@ class MetricLogger(Callback):
         self.flops_per_token, self.peak_tflops_per_device = flops_per_token, peak_tflops_per_device
         self.latest: dict = {}
 
-    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+    def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         if not trainer.due(self.logging_steps):
             return
         self.latest = self.window_record(trainer, result.lr)
@@ -111,7 +102,7 @@ class MetricLogger(Callback):
         trainer.metrics.write(trainer.state.step, self.latest)
         trainer.window.reset()
 
-    def window_record(self, trainer: Trainer, lr: float) -> dict:
+    def window_record(self, trainer: TrainerView, lr: float) -> dict:
         """Metrics over the steps since the last log, reduced over ranks (a collective on every rank)."""
         accelerator, window = trainer.accelerator, trainer.window
         totals = accelerator.reduce(window.totals.clone(), reduction="sum")
@@ -154,7 +145,7 @@ class MetricLogger(Callback):
         )
         return record
 
-    def on_save(self, trainer: Trainer, path: Path) -> None:
+    def on_save(self, trainer: TrainerView, path: Path) -> None:
         trainer.metrics.write(trainer.state.step, {"last_checkpoint_step": trainer.state.step})
         logger.info("step %d: saved %s", trainer.state.step, path)
 
@@ -167,7 +158,7 @@ class Benchmarks(Callback):
         self.settings, self.tokenizer, self.output_dir = settings, tokenizer, Path(output_dir)
         self.eval_steps, self.every = eval_steps, every
 
-    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+    def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         if not trainer.due(self.eval_steps):
             return
         evaluation = trainer.state.step // self.eval_steps
@@ -192,7 +183,7 @@ class Validation(Callback):
         self.rows, self.eval_steps, self.batch_size, self.masking = rows, eval_steps, batch_size, masking
         self.patience, self.threshold = patience, threshold
 
-    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+    def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         if not trainer.due(self.eval_steps):
             return
         state = trainer.state
@@ -220,7 +211,7 @@ class PeriodicCheckpoint(Callback):
     def __init__(self, save_steps: int):
         self.save_steps = save_steps
 
-    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+    def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         if trainer.due(self.save_steps):
             trainer.save()
 
@@ -232,7 +223,7 @@ class ProgressBar(Callback):
         self.logger_callback = logger_callback
         self.bar = None
 
-    def on_train_start(self, trainer: Trainer) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         from tqdm.auto import tqdm
 
         disable = not trainer.accelerator.is_main_process
@@ -240,13 +231,13 @@ class ProgressBar(Callback):
             total=trainer.total_steps, initial=trainer.state.step, disable=disable, desc="train", unit="step"
         )
 
-    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+    def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         latest = self.logger_callback.latest
         if latest:
             self.bar.set_postfix(loss=f"{latest['loss']:.3f}", tok_s=f"{latest['tokens_per_s']:.0f}", refresh=False)
         self.bar.update(trainer.state.step - self.bar.n)  # negative after a rollback
 
-    def on_train_end(self, trainer: Trainer, stop: Stop) -> None:
+    def on_train_end(self, trainer: TrainerView, stop: Stop) -> None:
         self.bar.close()
 
 
@@ -306,19 +297,19 @@ class HangWatchdog(Callback):
 
         faulthandler.dump_traceback_later(self.timeout_s, exit=True)
 
-    def on_train_start(self, trainer: Trainer) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         self._hook = trainer.accelerator.unwrap_model(trainer.model).register_forward_pre_hook(self.beat)
         self.beat()
         logger.info("hang watchdog: a rank without a forward pass or step for %.0f s dumps its stacks and exits",
                     self.timeout_s)  # fmt: skip
 
-    def on_step_end(self, trainer: Trainer, result: StepResult, control: Control) -> None:
+    def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         self.beat()
 
-    def on_save(self, trainer: Trainer, path: Path) -> None:
+    def on_save(self, trainer: TrainerView, path: Path) -> None:
         self.beat()
 
-    def on_train_end(self, trainer: Trainer, stop: Stop) -> None:
+    def on_train_end(self, trainer: TrainerView, stop: Stop) -> None:
         import faulthandler
 
         faulthandler.cancel_dump_traceback_later()

@@ -7,8 +7,6 @@ already reduced.
 from __future__ import annotations
 
 import json
-import resource
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import psutil
 import torch
 
 from common.files import atomic_write_text
+from common.process import peak_rss_bytes
 
 
 def tokens_per_second(tokens_all_ranks: int, seconds: float) -> float:
@@ -37,9 +36,8 @@ def host_memory_gb() -> float:
 
 
 def peak_host_memory_gb() -> float:
-    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
+    """Peak resident memory of this process so far."""
+    return peak_rss_bytes() / 1e9
 
 
 def peak_gpu_memory_gb() -> float | None:
@@ -57,7 +55,7 @@ class MetricsWriter:
     def __init__(self, output_dir: str | Path, enabled: bool, prometheus=None, trackers=None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.prometheus = prometheus  # recipes.monitoring.PrometheusExporter, or None
+        self.prometheus = prometheus  # recipes.telemetry.monitoring.PrometheusExporter, or None
         self.trackers = trackers  # an Accelerator whose trackers were started, or None
 
     def write(self, step: int, values: dict[str, Any]) -> None:

@@ -1,0 +1,147 @@
+"""The GPU check's judgement and its reports: memory against the plan by group, targets against the measurements,
+the markdown table and the row for docs/gpu-results.md (benchmarks/gpu_check.py runs the stages)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+TARGETS = {"mfu": 0.40, "recipe_over_bare_throughput": 0.95, "memory_within": 0.15}
+
+
+PERSISTENT_TERMS = ("bf16_parameter_shard", "optimizer_states", "fp32_gradient_partition", "bf16_gradient_shard")
+
+
+STEP_TERMS = ("largest_layer_gathered", "reduce_bucket", "prefetch_bucket", "live_parameters", "activations", "logits")
+
+
+def memory_against_plan(measured: dict[str, Any], plan_memory: dict[str, float]) -> dict[str, Any]:
+    """Measured peak memory beside the plan, in the groups torch's allocator can see: what stays between steps
+    (parameters, optimizer states, gradient partitions) and what one step adds on top (gathered parameters,
+    buckets, activations, logits). The plan's total less its CUDA context is compared with the peak reserved."""
+    persistent = sum(plan_memory[k] for k in PERSISTENT_TERMS)
+    step = sum(plan_memory[k] for k in STEP_TERMS)
+    plan_allocator = plan_memory["total"] - plan_memory["cuda_context"]
+    rows = {"plan_total_gb": plan_memory["total"], "plan_allocator_gb": plan_allocator,
+            "plan_persistent_gb": persistent, "plan_step_gb": step}  # fmt: skip
+    if measured.get("peak_reserved_gb") is None:
+        return rows
+    measured_persistent = measured["steady_allocated_gb"]
+    measured_step = measured["peak_allocated_gb"] - measured_persistent
+    rows.update(
+        measured_persistent_gb=measured_persistent,
+        measured_step_gb=measured_step,
+        reserved_over_plan=measured["peak_reserved_gb"] / plan_allocator,
+        persistent_over_plan=measured_persistent / persistent,
+        step_over_plan=measured_step / step if step else None,
+    )
+    off = {"persistent states": rows["persistent_over_plan"], "one step's additions": rows["step_over_plan"]}
+    worst = max(off, key=lambda k: abs((off[k] or 1.0) - 1.0))
+    rows["within_target"] = abs(rows["reserved_over_plan"] - 1.0) <= TARGETS["memory_within"]
+    rows["term_off"] = None if rows["within_target"] else f"{worst} ({off[worst]:.2f}x the plan)"
+    return rows
+
+
+def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target beside its measured value (GPU runs only)."""
+    targets = []
+    runs = results["stages"].get("training", [])
+    timed = [r for r in runs if "recipe_mfu" in r and r.get("bare_s_per_step")]
+    if timed:
+        best = max(timed, key=lambda r: r["recipe_mfu"] or 0.0)
+        label = f"mb{best['micro_batch']}, checkpointing {'on' if best['gradient_checkpointing'] else 'off'}"
+        targets.append({"target": f"MFU >= {TARGETS['mfu']:.0%} ({label})", "value": best["recipe_mfu"],
+                        "met": (best["recipe_mfu"] or 0.0) >= TARGETS["mfu"]})  # fmt: skip
+        for run in timed:
+            ratio = run["bare_s_per_step"] / run["recipe_s_per_step"]
+            label = f"mb{run['micro_batch']}, checkpointing {'on' if run['gradient_checkpointing'] else 'off'}"
+            targets.append({"target": f"recipe >= {TARGETS['recipe_over_bare_throughput']}x bare ({label})",
+                            "value": ratio, "met": ratio >= TARGETS["recipe_over_bare_throughput"]})  # fmt: skip
+    for run in runs:
+        memory = run.get("plan_memory", {})
+        if "reserved_over_plan" in memory:
+            label = f"mb{run['micro_batch']}, checkpointing {'on' if run['gradient_checkpointing'] else 'off'}"
+            targets.append({"target": f"peak reserved within {TARGETS['memory_within']:.0%} of plan ({label})",
+                            "value": memory["reserved_over_plan"], "met": memory["within_target"],
+                            "term_off": memory.get("term_off")})  # fmt: skip
+    for check in results["stages"].get("attention", {}).get("checks", []):
+        targets.append({"target": f"attention {check['attn_implementation']} ({check['kernel']}) path "
+                        f"{check['expected_path']}, packed = alone within {check['tolerance']}",
+                        "value": check["max_abs_diff"], "met": check["ok"]})  # fmt: skip
+    return targets
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    def cell(value, digits=3):
+        if value is None:
+            return "n/a"
+        return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
+
+    env = results["stages"].get("environment", {})
+    lines = ["# GPU check" + (" (CPU dry run: no GPU result)" if results["dry_run"] else ""), ""]
+    if env:
+        lines += ["| " + " | ".join(env) + " |", "|" + "---|" * len(env), "| " + " | ".join(map(cell, env.values())) +
+                  " |", ""]  # fmt: skip
+    runs = results["stages"].get("training", [])
+    if runs:
+        lines += ["## Training", "", "| micro-batch | checkpointing | attention | bare s/step | recipe s/step | "
+                  "recipe tokens/s | recipe MFU | masked MFU | plan MFU | steady GB | peak alloc GB | "
+                  "peak reserved GB | "
+                  "plan GB (allocator) | reserved / plan | term off |",
+                  "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+        for run in runs:
+            memory = run.get("plan_memory", {})
+            lines.append(
+                f"| {run['micro_batch']} | {'on' if run['gradient_checkpointing'] else 'off'} | "
+                f"{run['attn_implementation']} | {cell(run.get('bare_s_per_step'))} | "
+                f"{cell(run.get('recipe_s_per_step'))} | {cell(run.get('recipe_tokens_per_s'), 0)} | "
+                f"{cell(run.get('recipe_mfu'))} | {cell(run.get('recipe_masked_mfu'))} | {cell(run.get('plan_mfu'))} | "
+                f"{cell(run.get('steady_allocated_gb'), 2)} | "
+                f"{cell(run.get('peak_allocated_gb'), 2)} | {cell(run.get('peak_reserved_gb'), 2)} | "
+                f"{cell(memory.get('plan_allocator_gb'), 2)} | {cell(memory.get('reserved_over_plan'), 2)} | "
+                f"{memory.get('term_off') or ''} |"
+            )
+        lines.append("")
+    attention = results["stages"].get("attention")
+    if attention:
+        lines += ["## Attention", "", "| implementation | kernel | micro-batch | path | expected | max abs diff | ok |",
+                  "|---|---|---:|---|---|---:|---|"]  # fmt: skip
+        for check in attention["checks"]:
+            lines.append(f"| {check['attn_implementation']} | {check['kernel']} | {check['micro_batch']} | "
+                         f"{check['path']} | {check['expected_path']} | {check['max_abs_diff']:.2e} | "
+                         f"{check['ok']} |")  # fmt: skip
+        first = attention["first_losses"]
+        lines += ["", f"first losses, flash_attention_2 against sdpa: {json.dumps(first)}", ""]
+    e2e = results["stages"].get("end_to_end")
+    if e2e:
+        lines += ["## End to end (recipes/pretrain.py)", "", f"exit code {e2e['exit_code']} in {e2e['seconds']} s; "
+                  f"{e2e['attention_line'] or ''}", "", "| benchmark | measured s/document | plan s/document |",
+                  "|---|---:|---:|",
+                  f"| MMLU | {cell(e2e['mmlu_seconds_per_document'])} | "
+                  f"{cell(e2e['plan_mmlu_seconds_per_document'])} |",
+                  f"| GSM8K | {cell(e2e['gsm8k_seconds_per_document'])} | "
+                  f"{cell(e2e['plan_gsm8k_seconds_per_document'])} |", ""]  # fmt: skip
+    if results["targets"]:
+        lines += ["## Targets", "", "| target | measured | met |", "|---|---:|---|"]
+        lines += [f"| {t['target']} | {cell(t['value'])} | {'yes' if t['met'] else 'no'} |" for t in results["targets"]]
+        lines.append("")
+    if results["skipped"]:
+        lines += ["## Skipped", ""] + [f"- {s['stage']}: {s['reason']}" for s in results["skipped"]] + [""]
+    return "\n".join(lines)
+
+
+def docs_row(results: dict[str, Any]) -> str:
+    """One row for docs/gpu-results.md."""
+    env = results["stages"].get("environment", {})
+    runs = results["stages"].get("training", [])
+    timed = [r for r in runs if r.get("recipe_mfu") is not None]
+    mfu = ", ".join(f"mb{r['micro_batch']}/ckpt {'on' if r['gradient_checkpointing'] else 'off'}: "
+                    f"{r['recipe_mfu']:.1%} (bare {r['bare_mfu']:.1%})" for r in timed)  # fmt: skip
+    memory = ", ".join(f"mb{r['micro_batch']}/{'on' if r['gradient_checkpointing'] else 'off'}: "
+                       f"{r['peak_reserved_gb']:.1f} GB ({r['plan_memory'].get('reserved_over_plan', 0):.2f}x plan)"
+                       for r in runs if r.get("peak_reserved_gb") is not None)  # fmt: skip
+    met = sum(t["met"] for t in results["targets"])
+    cells = [env.get("date"), env.get("gpu"), env.get("driver"), env.get("cuda"), env.get("torch"),
+             env.get("flash_attn") or "not installed", env.get("deepspeed"), env.get("transformers"), mfu, memory,
+             f"{met}/{len(results['targets'])} targets met"]  # fmt: skip
+    return "| " + " | ".join(str(c) if c not in (None, "") else "n/a" for c in cells) + " |"

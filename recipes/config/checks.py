@@ -1,0 +1,228 @@
+"""Every cross-field rule of a recipe in one place, each naming the keys it checks and what would be valid."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from recipes.config.fields import (
+    ATTN_IMPLEMENTATIONS,
+    HARDWARE_KEYS,
+    LOSS_SPIKE_ACTIONS,
+    LR_SCHEDULER_TYPES,
+    MODEL_CONFIG_KEYS,
+    REPORT_TO,
+    ConfigError,
+    PretrainConfig,
+    coerce,
+)
+
+
+def _positive(config: PretrainConfig, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"{name} must be > 0, got {getattr(config, name)}")
+
+
+def validate_static(config: PretrainConfig) -> None:
+    """Rules that need nothing but the config itself, each group naming the keys it checks."""
+    _positive(
+        config,
+        "max_seq_length",
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "learning_rate",
+        "logging_steps",
+        "eval_steps",
+        "save_steps",
+        "num_train_epochs",
+        "gradient_checkpointing_layers_per_checkpoint",
+    )
+    _validate_training_data(config)
+    _validate_optimizer(config)
+    if config.hang_timeout_s is not None and not 0 < config.hang_timeout_s < math.inf:
+        raise ConfigError("hang_timeout_s must be a positive number of seconds, or null to turn the watchdog off")
+    unknown_trackers = [name for name in config.report_to if name not in REPORT_TO]
+    if unknown_trackers or ("none" in config.report_to and len(config.report_to) > 1):
+        raise ConfigError(f"report_to {config.report_to}: use any of tensorboard, wandb, mlflow, or [none] alone")
+    if config.prometheus_port is not None and not 1 <= config.prometheus_port <= 65535:
+        raise ConfigError(f"prometheus_port must be a TCP port in 1-65535, or null; got {config.prometheus_port}")
+    if config.bf16 and config.fp16:
+        raise ConfigError("bf16 and fp16 are both true: choose one mixed-precision mode")
+    if config.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"attn_implementation {config.attn_implementation!r} is not one of {ATTN_IMPLEMENTATIONS}")
+    _validate_schedule(config)
+    _validate_intervals(config)
+    _validate_model_source(config)
+
+
+def _validate_training_data(config: PretrainConfig) -> None:
+    """train_files or train_mixture, not both; a mixture of {path, weight} entries with weights that blend."""
+    if config.train_files is not None and config.train_mixture is not None:
+        raise ConfigError("train_files and train_mixture are both set: a recipe with a mixture sets train_files: null")
+    if config.train_mixture is None:
+        if not config.train_files:
+            raise ConfigError("train_files is empty: name at least one jsonl, parquet or txt file (or a train_mixture)")
+        return
+    if not config.train_mixture:
+        raise ConfigError("train_mixture is empty: give [{path: DIR, weight: w}, ...]")
+    for index, entry in enumerate(config.train_mixture):
+        if set(entry) != {"path", "weight"} or not isinstance(entry["path"], str):
+            raise ConfigError(f"train_mixture[{index}]: expected {{path: DIR, weight: w}}, got keys {sorted(entry)}")
+        entry["weight"] = coerce(f"train_mixture[{index}].weight", entry["weight"], float)
+    if config.num_train_epochs != 1:
+        raise ConfigError(
+            "train_mixture: num_train_epochs must be 1 (mixture_exhausted says what a source does at its end)"
+        )
+    if config.mixture_exhausted not in ("repeat", "stop"):
+        raise ConfigError(f"mixture_exhausted {config.mixture_exhausted!r} is not one of ['repeat', 'stop']")
+    from data_prep.mixture import MixtureError, exact_weights
+
+    try:
+        exact_weights([entry["weight"] for entry in config.train_mixture])
+    except MixtureError as error:
+        raise ConfigError(f"train_mixture: {error}") from None
+
+
+def _validate_optimizer(config: PretrainConfig) -> None:
+    """AdamW's values where the update is defined: an lr or clipping of inf, or a beta of 1 or more, trains
+    garbage without an error."""
+    for name in ("learning_rate", "max_grad_norm", "adam_epsilon"):
+        value = getattr(config, name)
+        if not 0 < value < math.inf:
+            raise ConfigError(f"{name} must be a positive finite number, got {value}")
+    for name in ("adam_beta1", "adam_beta2"):
+        value = getattr(config, name)
+        if not 0 <= value < 1:
+            raise ConfigError(f"{name} must lie in [0, 1), got {value} (AdamW's usual values: 0.9 and 0.95)")
+    if not 0 <= config.weight_decay < math.inf:
+        raise ConfigError(f"weight_decay must be >= 0 and finite, got {config.weight_decay}")
+
+
+def _validate_schedule(config: PretrainConfig) -> None:
+    if config.lr_scheduler_type not in LR_SCHEDULER_TYPES:
+        raise ConfigError(
+            f"lr_scheduler_type {config.lr_scheduler_type!r} is not supported; use one of {LR_SCHEDULER_TYPES}"
+        )
+    allowed_kwargs = {"min_lr"} if config.lr_scheduler_type == "cosine_with_min_lr" else set()
+    extra = set(config.lr_scheduler_kwargs) - allowed_kwargs
+    if extra:
+        raise ConfigError(f"lr_scheduler_kwargs has {sorted(extra)}, which {config.lr_scheduler_type} does not take")
+    if config.lr_scheduler_type == "cosine_with_min_lr":
+        if "min_lr" not in config.lr_scheduler_kwargs:
+            raise ConfigError("lr_scheduler_type cosine_with_min_lr needs lr_scheduler_kwargs.min_lr")
+        min_lr = coerce("lr_scheduler_kwargs.min_lr", config.lr_scheduler_kwargs["min_lr"], float)
+        if not 0 <= min_lr <= config.learning_rate:
+            raise ConfigError(
+                f"lr_scheduler_kwargs.min_lr {min_lr} must lie in [0, learning_rate={config.learning_rate}]"
+            )
+        config.lr_scheduler_kwargs["min_lr"] = min_lr
+    if config.warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be >= 0, got {config.warmup_steps}")
+    if config.max_steps == 0 or config.max_steps < -1:
+        raise ConfigError(f"max_steps must be > 0, or -1 to derive it from total_tokens; got {config.max_steps}")
+    if config.max_steps == -1 and not config.total_tokens:
+        raise ConfigError("max_steps is -1 but total_tokens is not set: give one of them")
+
+
+def _validate_intervals(config: PretrainConfig) -> None:
+    """Checkpoint rotation, early stopping, the loss-spike rule and benchmarks."""
+    if config.save_total_limit is not None and config.save_total_limit < 1:
+        raise ConfigError(f"save_total_limit must be >= 1 or unset, got {config.save_total_limit}")
+    if config.early_stopping_patience is not None:
+        if config.early_stopping_patience < 1:
+            raise ConfigError(f"early_stopping_patience must be >= 1 or unset, got {config.early_stopping_patience}")
+        if not config.validation_files:
+            raise ConfigError("early_stopping_patience needs validation_files: it watches eval_loss")
+    if config.loss_spike_factor is not None and config.loss_spike_factor <= 0:
+        raise ConfigError(f"loss_spike_factor must be > 0 or unset, got {config.loss_spike_factor}")
+    if config.loss_spike_window < 1 or config.loss_spike_max_rollbacks < 0:
+        raise ConfigError("loss_spike_window must be >= 1 and loss_spike_max_rollbacks >= 0")
+    if config.loss_spike_action not in LOSS_SPIKE_ACTIONS:
+        raise ConfigError(f"loss_spike_action {config.loss_spike_action!r} is not one of {list(LOSS_SPIKE_ACTIONS)}")
+    if config.eval_benchmarks_every < 1:
+        raise ConfigError(f"eval_benchmarks_every must be >= 1, got {config.eval_benchmarks_every}")
+    if config.eval_limit is not None and config.eval_limit < 1:
+        raise ConfigError(f"eval_limit must be >= 1 or unset, got {config.eval_limit}")
+
+
+def _validate_model_config(values: dict[str, Any]) -> None:
+    """Each `model_config` value of the type and range LlamaConfig needs, before a 70B model is built on it."""
+    unknown = set(values) - set(MODEL_CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(f"model_config has unknown key(s) {sorted(unknown)}; valid: {', '.join(MODEL_CONFIG_KEYS)}")
+    for key, value in values.items():
+        kind = MODEL_CONFIG_KEYS[key]
+        coerced = coerce(f"model_config.{key}", value, kind)
+        if kind in (int, float) and not 0 < coerced < math.inf:
+            raise ConfigError(f"model_config.{key} must be a positive {kind.__name__}, got {value!r}")
+        values[key] = coerced
+    hidden, heads = values.get("hidden_size"), values.get("num_attention_heads")
+    if hidden and heads and hidden % heads:
+        raise ConfigError(f"model_config.hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+    kv_heads = values.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise ConfigError(
+            f"model_config.num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}"
+        )
+
+
+def _validate_model_source(config: PretrainConfig) -> None:
+    """model_config or model_name_or_path, hardware, and the global batch against the micro-batch."""
+    if config.model_name_or_path and config.model_config:
+        raise ConfigError(
+            f"model_name_or_path {config.model_name_or_path} brings its own shape, so model_config must be empty "
+            f"(it has {sorted(config.model_config)}); override it with --model_config '{{}}'"
+        )
+    if config.model_name_or_path is None and not config.model_config:
+        raise ConfigError("give model_config (a from-scratch Llama shape) or model_name_or_path (a local HF model)")
+    _validate_model_config(config.model_config)
+    unknown_hardware_keys = set(config.hardware) - set(HARDWARE_KEYS)
+    if unknown_hardware_keys:
+        raise ConfigError(
+            f"hardware has unknown key(s) {sorted(unknown_hardware_keys)}; valid: {', '.join(HARDWARE_KEYS)}"
+        )
+    if config.global_batch_size is not None:
+        micro_x_accum = config.per_device_train_batch_size * config.gradient_accumulation_steps
+        if config.global_batch_size % micro_x_accum:
+            raise ConfigError(
+                f"global_batch_size {config.global_batch_size} is not a multiple of per_device_train_batch_size "
+                f"x gradient_accumulation_steps = {micro_x_accum}: no whole number of GPUs gives it"
+            )
+
+
+def validate_for_world(config: PretrainConfig, world_size: int) -> None:
+    """Rules that need the live number of processes; checked before any model is built."""
+    actual = config.resolved_global_batch_size(world_size)
+    if config.global_batch_size is not None and actual != config.global_batch_size:
+        raise ConfigError(
+            f"per_device_train_batch_size ({config.per_device_train_batch_size}) x gradient_accumulation_steps "
+            f"({config.gradient_accumulation_steps}) x world size ({world_size}) = {actual}, but "
+            f"global_batch_size is {config.global_batch_size}. Launch on "
+            f"{config.global_batch_size // (actual // world_size)} processes or change gradient_accumulation_steps."
+        )
+    if config.total_steps(world_size) < 1:
+        raise ConfigError(
+            f"total_tokens {config.total_tokens} is less than one optimizer step "
+            f"({actual} rows x {config.max_seq_length} tokens)"
+        )
+
+
+def validate_against_model(config: PretrainConfig, *, vocab_size: int, tokenizer_size: int, max_positions: int) -> None:
+    """Rules between the recipe, the model shape and the tokenizer."""
+    if config.max_seq_length > max_positions:
+        raise ConfigError(
+            f"max_seq_length {config.max_seq_length} exceeds the model's max_position_embeddings {max_positions}: "
+            "lower max_seq_length or raise model_config.max_position_embeddings"
+        )
+    if vocab_size < tokenizer_size:
+        raise ConfigError(
+            f"model vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_size} tokens "
+            f"({config.tokenizer_name_or_path}): token ids would index past the embedding. "
+            f"Set model_config.vocab_size >= {tokenizer_size} or leave it unset to use the tokenizer's size"
+        )
+
+
+def warmup_fraction(config: PretrainConfig, world_size: int) -> float:
+    return config.warmup_steps / config.total_steps(world_size)

@@ -1,0 +1,110 @@
+"""The hardware a plan is for: the recipe's `hardware` block, command-line overrides, or the live launch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.process import local_world_size
+from recipes.config import (
+    WIRE_KEYS,
+    ConfigError,
+    PretrainConfig,
+)
+from recipes.planning.step_time import (
+    GPU_PROFILES,
+    INTERCONNECT_EFFICIENCY,
+    wires_from,
+)
+
+DEFAULT_MFU = 0.45  # without a hardware profile: the utilisation published large runs reach
+
+
+@dataclass
+class Hardware:
+    gpus: int
+    nodes: int
+    gpu_memory_gb: float | None
+    host_memory_gb: float | None
+    peak_tflops: float | None
+    mfu: float | None  # a fixed utilisation, in place of the communication model
+    profile: str | None = None  # recipes.planning.step_time.GPU_PROFILES
+    interconnect: str | None = None  # ib100, ib200, ib400, ib800 (between nodes)
+    wires: dict = field(default_factory=dict)  # overrides of the profiles' numbers (WIRE_KEYS)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    def step_model(self):
+        """The profile's wires with this hardware's overrides; None without a profile."""
+        if not self.profile:
+            return None
+        overrides = dict(self.wires)
+        if overrides.get("inter_node_gbps"):
+            overrides["inter_node_gb_s"] = overrides.pop("inter_node_gbps") / 8 * INTERCONNECT_EFFICIENCY
+        overrides.pop("inter_node_gbps", None)
+        wires = wires_from(self.profile, self.interconnect, peak_tflops=self.peak_tflops, **overrides)
+        if self.nodes > 1 and wires.inter_node_gb_s is None:
+            raise ConfigError(f"{self.nodes} nodes need an interconnect (hardware.interconnect, --interconnect "
+                              "ib100|ib200|ib400|ib800, or --inter-node-gbps)")  # fmt: skip
+        return wires
+
+
+def hardware_from(config: PretrainConfig, **overrides) -> Hardware:
+    """The recipe's `hardware` block with command-line overrides (None: not given). Wire numbers (WIRE_KEYS) may
+    come in either."""
+    block = dict(config.hardware)
+    values = {
+        "gpus": block.get("gpus", 8),
+        "nodes": block.get("nodes", 1),
+        "gpu_memory_gb": block.get("gpu_memory_gb", 80),
+        "host_memory_gb": block.get("host_memory_gb"),
+        "peak_tflops": config.peak_tflops_per_device,
+        "mfu": block.get("mfu"),
+        "profile": block.get("profile"),
+        "interconnect": block.get("interconnect"),
+    }
+    wires = {key: block[key] for key in WIRE_KEYS if block.get(key) is not None}
+    wires.update({key: overrides.pop(key) for key in WIRE_KEYS if overrides.get(key) is not None})
+    values.update({k: v for k, v in overrides.items() if v is not None and k not in WIRE_KEYS})
+    hardware = Hardware(**values, wires=wires)
+    if hardware.profile and hardware.profile not in GPU_PROFILES:
+        raise ConfigError(f"hardware profile {hardware.profile!r} is not one of {', '.join(sorted(GPU_PROFILES))}")
+    if hardware.peak_tflops is None and hardware.profile:
+        hardware.peak_tflops = GPU_PROFILES[hardware.profile].peak_tflops
+    if hardware.mfu is None and not hardware.profile:
+        hardware.mfu = DEFAULT_MFU
+    if hardware.gpus % hardware.nodes:
+        raise ConfigError(f"--gpus {hardware.gpus} is not divisible by --nodes {hardware.nodes}")
+    if hardware.mfu is not None and not 0 < hardware.mfu <= 1:
+        raise ConfigError(f"--mfu {hardware.mfu} must lie in (0, 1]")
+    for key, value in wires.items():
+        low_ok = value >= 0 if key == "overlap" else value > 0
+        if not low_ok or (key in ("compute_efficiency", "overlap") and value > 1):
+            valid = "in [0, 1]" if key == "overlap" else "in (0, 1]" if key == "compute_efficiency" else "positive"
+            raise ConfigError(f"--{key.replace('_', '-')} {value}: must be {valid}")
+    try:
+        hardware.step_model()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return hardware
+
+
+def live_hardware(config: PretrainConfig, world_size: int) -> Hardware:
+    """The hardware this launch runs on. Without CUDA the recipe's `hardware.gpu_memory_gb` stands in
+    for device memory (unset: no device-memory check), so CPU rehearsals can exercise the refusal."""
+    import psutil
+    import torch
+
+    gpus_per_node = local_world_size()
+    if torch.cuda.is_available():
+        gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    else:
+        gpu_memory_gb = config.hardware.get("gpu_memory_gb")
+    return hardware_from(
+        config,
+        gpus=world_size,
+        nodes=max(1, world_size // gpus_per_node),
+        gpu_memory_gb=gpu_memory_gb,
+        host_memory_gb=psutil.virtual_memory().total / 1e9,
+    )

@@ -1,0 +1,1 @@
+"""Run operations: metrics and their writers, the Prometheus exporter, experiment trackers."""
