@@ -1,6 +1,7 @@
 # The two commands of the README. Both create .venv and install the package into it first.
 #   make demo   tiny Llama on the real 2-process DeepSpeed ZeRO-3 path, on the CPU (~5 min)
-#   make test   lint + the whole test suite (~45 min on 2 cores, install included)
+#   make test   lint + the whole test suite (2 cores: see docs/testing.md for the current time)
+#   make test-fast   lint + the tests that start no training launch (~3 min), before every commit
 #   make gpu-check [DRY_RUN=1]   the recipe's CUDA path measured on one GPU (docs/gpu-results.md)
 
 PYTHON ?= python3
@@ -16,7 +17,7 @@ DEMO_BF16 ?= $(if $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo
 # DeepSpeed would otherwise look for CUDA; this Makefile's runs are CPU runs.
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install demo test lint clean gpu-check
+.PHONY: install demo test test-fast lint clean gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,8 +45,13 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The 25 slowest tests are listed at the end of every run.
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
+
+# Before every commit: everything but the real multi-process launches (marked `multiprocess`), ~3 minutes.
+test-fast: lint
+	$(BIN)/python -m pytest -m "not multiprocess and not slow" --durations=10
 
 # The GPU check (benchmarks/gpu_check.py, docs/gpu-results.md): on a machine with one GPU, ~8 minutes. DRY_RUN=1
 # rehearses it on the CPU with a tiny model. GPU_CHECK_PYTHON=python3 uses an environment that already holds the

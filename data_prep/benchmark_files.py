@@ -64,8 +64,12 @@ def _mmlu_csv_split(path: Path, subject: str) -> list[dict]:
                 if len(answer) != 1 or answer not in LETTERS:
                     shown = "blank" if not answer else f"{len(answer)} characters" if len(answer) > 1 else "not A-D"
                     raise BenchmarkDataError(f"{path}:{line}: the answer must be one letter A, B, C or D ({shown})")
-                rows.append({"question": fields[0], "subject": subject, "choices": fields[1:5],
-                             "answer": LETTERS.index(answer)})  # fmt: skip
+                row = {"question": fields[0], "subject": subject, "choices": fields[1:5],
+                       "answer": LETTERS.index(answer)}  # fmt: skip
+                problem = _mmlu_row_problem(row)
+                if problem:
+                    raise BenchmarkDataError(f"{path}:{line}: {problem}")
+                rows.append(row)
     except UnicodeDecodeError as error:
         raise BenchmarkDataError(f"{path}: not UTF-8 (byte {error.start})") from None
     except csv.Error as error:
@@ -101,13 +105,18 @@ def _parquet_split(files: list[Path], columns: tuple[str, ...], what: str, check
 
 
 def _mmlu_row_problem(row: dict) -> str | None:
+    """What is wrong with one MMLU row in cais/mmlu's schema, the same rules for both layouts. An empty question is
+    legal: MMLU has such a row (in sociology's test split), kept by every copy, whose choices carry the question."""
     answer, choices = row["answer"], row["choices"]
     if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer <= 3:
         return "answer must be an integer 0-3 (the index of the right choice)"
     if not isinstance(choices, list) or len(choices) != 4 or not all(isinstance(c, str) for c in choices):
         return "choices must be a list of 4 strings"
-    if not isinstance(row["question"], str) or not row["question"].strip():
-        return "question must be a non-empty string"
+    empty = [LETTERS[i] for i, choice in enumerate(choices) if not choice.strip()]
+    if empty:
+        return f"choice {', '.join(empty)} is empty"
+    if not isinstance(row["question"], str):
+        return "question must be a string (it may be empty)"
     return None
 
 

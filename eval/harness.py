@@ -16,7 +16,6 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from data_prep.benchmark_files import mmlu_layout
 
@@ -35,6 +34,7 @@ class BenchmarkSettings:
     num_fewshot: int = 5
     batch_size: int = 8
     max_gen_toks: int | None = None  # GSM8K answer budget; None keeps lm-eval's (256)
+    log_samples: bool = False  # every document's prompt, answers and scores in the results (`samples`)
 
     def check(self) -> None:
         """Before any expensive work: known task names, and local data that loads."""
@@ -48,9 +48,10 @@ class BenchmarkSettings:
         if "gsm8k" in self.tasks and self.gsm8k_dir:
             check_gsm8k(self.gsm8k_dir)
 
-    def metadata(self) -> dict[str, str]:
-        """What the local tasks' loaders read (lm-eval's `--metadata`)."""
-        return {key: value for key, value in (("mmlu_dir", self.mmlu_dir), ("gsm8k_dir", self.gsm8k_dir)) if value}
+    def metadata(self) -> dict[str, str | bool]:
+        """What the local tasks' loaders read (lm-eval's `--metadata`); `raise_errors`: exceptions, not an exit."""
+        given = {key: value for key, value in (("mmlu_dir", self.mmlu_dir), ("gsm8k_dir", self.gsm8k_dir)) if value}
+        return {**given, "raise_errors": True} if given else given
 
 
 def task_names(settings: BenchmarkSettings) -> list[str]:
@@ -76,37 +77,46 @@ def task_manager(metadata: tuple[tuple[str, str], ...], hub: bool):
     return TaskManager(include_path=str(TASKS_DIR), include_defaults=hub, metadata=dict(metadata))
 
 
-def evaluate(model, tokenizer, settings: BenchmarkSettings, synced_generation: bool = False, **model_args) -> dict:
-    """lm-eval's results dict (`results`, `n-samples`, `configs`, ...). `model` is a live transformers causal LM,
-    or a model directory's path, which lm-eval loads with `model_args` (device, dtype, parallelize).
+def evaluate(
+    model, tokenizer, settings: BenchmarkSettings, *, rank: int = 0, world_size: int = 1, **model_args
+) -> dict:
+    """lm-eval's results dict (`results`, `n-samples`, `configs`, `samples` with `settings.log_samples`, `timings`) on
+    rank 0, None on the others. `model` is a live transformers causal LM, or a model directory's path, which lm-eval
+    loads with `model_args` (device, dtype, parallelize).
 
-    Under ZeRO-3 every rank must call this with the same settings: every rank then runs the same requests in
-    the same order with the same batch size, so every forward pass is matched on every rank, and generation
-    is synchronised (`synced_gpus`) so that no rank leaves the loop while another still needs its shards.
+    With `world_size` > 1 (a live ZeRO-3 model) every rank must call this with the same settings: each scores its
+    share of the documents with the prompts one process would build, and every forward pass is matched on every
+    rank (`eval.sharded`).
     """
+    import contextlib
+
     import lm_eval
 
-    lm = timed_lm_class()(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, **model_args)
-    gen_kwargs: dict[str, Any] = {}
-    if synced_generation:
-        gen_kwargs["synced_gpus"] = True
-    if settings.max_gen_toks is not None:
-        gen_kwargs["max_gen_toks"] = settings.max_gen_toks
+    lm_class, sharding = timed_lm_class(), contextlib.nullcontext()
+    if world_size > 1:
+        from eval.sharded import same_prompts_as_one_rank, sharded_lm_class
+
+        lm_class, sharding = sharded_lm_class(lm_class), same_prompts_as_one_rank(rank, world_size)
+        model_args = {**model_args, "rank": rank, "world_size": world_size}
+    lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, **model_args)
+    gen_kwargs = {"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks is not None else None
     names = task_names(settings)
     hub = any(not name.endswith("_local") and not name.startswith("mmlu_local") for name in names)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=names,
-        num_fewshot=settings.num_fewshot,
-        limit=settings.limit,
-        gen_kwargs=gen_kwargs or None,
-        log_samples=False,
-        task_manager=task_manager(tuple(sorted(settings.metadata().items())), hub),
-        bootstrap_iters=1000,
-        verbosity="ERROR",
-    )
-    if results is not None:  # lm-eval returns the results on the first rank only
-        results["timings"] = dict(lm.timings)
+    with sharding:
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=names,
+            num_fewshot=settings.num_fewshot,
+            limit=settings.limit,
+            gen_kwargs=gen_kwargs,
+            log_samples=settings.log_samples,
+            task_manager=task_manager(tuple(sorted(settings.metadata().items())), hub),
+            bootstrap_iters=1000,
+            verbosity="ERROR",
+        )
+    if results is None:  # lm-eval returns the results on rank 0 only
+        return None
+    results["timings"] = {**lm.timings, "dummy_forwards": getattr(lm, "dummy_forwards", 0)}
     return jsonable(results)
 
 
@@ -190,3 +200,15 @@ def write_results(results: dict, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2, default=str))
+
+
+def write_samples(samples: dict, path: str | Path) -> None:
+    """lm-eval's per-document records (`log_samples`), one JSON object per line with its task."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        for task, records in sorted(samples.items()):
+            for record in sorted(records, key=lambda r: (r["doc_id"], r.get("filter", ""))):
+                handle.write(json.dumps({"task": task, **jsonable(record)}) + "\n")

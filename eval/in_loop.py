@@ -1,10 +1,9 @@
 """Benchmarks inside the training loop, on the live ZeRO-3-sharded model.
 
-Every rank calls `run_benchmarks` at the same step with the same settings, so every rank runs the same
-lm-eval requests in the same order with the same batch size: each forward pass, which gathers the sharded
-weights from all ranks, is matched on every rank, and generation runs with `synced_gpus` so a rank that has
-finished keeps taking part until all have. (The requests are not split over ranks: that would need lm-eval's
-own distributed gathering, which assumes a model replicated per rank.)
+Every rank calls `run_benchmarks` at the same step with the same settings. Each rank scores its share of the
+documents (lm-eval deals them out by rank and gathers the scores to rank 0), with the few-shot prompts one process
+would build; every forward pass, which gathers the sharded weights from all ranks, is matched on every rank, padded
+with dummy forwards where a rank has fewer batches, and generation runs with `synced_gpus` (`eval.sharded`).
 
 lm-eval seeds Python's, NumPy's and torch's generators; the training RNG states are put back afterwards, and
 the model is returned to training mode. A failing benchmark is logged and training continues.
@@ -20,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eval.harness import BenchmarkSettings, evaluate, format_table, headline_scores, write_results
+from eval.harness import BenchmarkSettings, evaluate, format_table, headline_scores, write_results, write_samples
 
 logger = logging.getLogger("eval")
-# Every rank runs every request today; the planner prices evaluation by this (recipes.planning.eval_cost).
-SPLITS_REQUESTS_OVER_RANKS = False
+# Each rank scores 1/world of the documents; the planner prices evaluation by this (recipes.planning.eval_cost).
+SPLITS_REQUESTS_OVER_RANKS = True
 
 
 def capture_rng_state() -> dict:
@@ -68,7 +67,11 @@ def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, s
     results, failure = None, ""
     try:
         results = evaluate(
-            accelerator.unwrap_model(model), tokenizer, settings, synced_generation=accelerator.num_processes > 1
+            accelerator.unwrap_model(model),
+            tokenizer,
+            settings,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
         )
     except Exception as error:  # a benchmark must never end a run of weeks
         failure = f"{type(error).__name__}: {error}"
@@ -82,12 +85,15 @@ def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, s
     if failed:
         logger.error("step %d: benchmarks failed on %d rank(s), training continues: %s", step, failed, failure)
         return {}
-    # lm-eval aggregates on the first rank of each node only (the others ran the same requests and get None).
+    # lm-eval gathers every rank's scores to rank 0 and aggregates there; the others get None.
     scores = [None]
     if accelerator.is_main_process:
         documents = sum(n["effective"] for n in results["n-samples"].values())
         scores = [{**headline_scores(results), **benchmark_timings(results, seconds)}]
+        samples = results.pop("samples", None)
         write_results(results, output_dir / "eval" / f"step-{step}.json")
+        if samples is not None:
+            write_samples(samples, output_dir / "eval" / f"step-{step}-samples.jsonl")
         logger.info("step %d: benchmarks (%d documents, %.1f s)\n%s", step, documents, seconds, format_table(results))
     from accelerate.utils import broadcast_object_list
 

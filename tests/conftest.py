@@ -131,3 +131,33 @@ def forge_data_position(checkpoint: Path, change) -> None:
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     manifest["files"]["trainer_state.json"] = {"bytes": state_path.stat().st_size, "sha256": sha256_of(state_path)}
     (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def train_losses(output_dir: Path) -> dict[int, float]:
+    """{step: loss} of a run's metrics.jsonl."""
+    from recipes.telemetry.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(Path(output_dir) / "metrics.jsonl") if "loss" in r}
+
+
+def eval_losses(output_dir: Path) -> dict[int, float]:
+    """{step: eval_loss} of a run's metrics.jsonl."""
+    from recipes.telemetry.metrics import read_metrics
+
+    return {r["step"]: r["eval_loss"] for r in read_metrics(Path(output_dir) / "metrics.jsonl") if "eval_loss" in r}
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, corpus) -> dict:
+    """One tiny 2-process ZeRO-3 run for the whole session: 40 steps, checkpoints every 10 (the last two kept),
+    validation at 20 and 40, and final/. Tests that only read a finished run (its metrics, checkpoints, export,
+    report, or its model for evaluation) share it instead of training their own."""
+    from recipes.config import load_config
+
+    output_dir = tmp_path_factory.mktemp("trained_run")
+    schedule = dict(max_steps=40, logging_steps=5, eval_steps=20, save_steps=10, save_total_limit=2, warmup_steps=5)
+    args = tiny_overrides(corpus, output_dir, **schedule, max_eval_samples=32, early_stopping_patience=5)
+    result = launch(REPO / "recipes/pretrain.py", args)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return {"dir": output_dir, "log": result.stderr + result.stdout, "config": load_config(TINY_RECIPE, args[2:]),
+            "corpus": corpus, "steps": 40}  # fmt: skip

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from recipes.telemetry.metrics import read_metrics
-from tests.conftest import CPU_ACCELERATE_CONFIG, LAUNCH_ENV, REPO, free_port, launch, tiny_overrides
+from tests.conftest import CPU_ACCELERATE_CONFIG, LAUNCH_ENV, REPO, free_port, launch, tiny_overrides, train_losses
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,10 +23,6 @@ def old_tree(tmp_path_factory):
         pytest.skip(f"commit {BEFORE_RESTRUCTURING} is not in this clone's history (shallow clone?)")
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
     return tree
-
-
-def losses(output_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r}
 
 
 def test_a_checkpoint_of_the_old_code_resumes_bit_exactly(tmp_path, old_tree, corpus):
@@ -47,4 +42,6 @@ def test_a_checkpoint_of_the_old_code_resumes_bit_exactly(tmp_path, old_tree, co
     resumed = launch(REPO / "recipes/pretrain.py", [*args, "--output_dir", str(resumed_dir)])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "checkpoint-4 at step 4" in resumed.stderr
-    assert losses(resumed_dir) == losses(tmp_path / "old") and sorted(losses(resumed_dir)) == list(range(1, 9))
+    assert train_losses(resumed_dir) == train_losses(tmp_path / "old") and sorted(train_losses(resumed_dir)) == list(
+        range(1, 9)
+    )

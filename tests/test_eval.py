@@ -158,7 +158,8 @@ def test_local_tasks_are_lm_evals_own_prompts_and_metrics(data):
 
 
 def test_lm_evals_cli_and_eval_run_give_identical_scores(tmp_path, data, tiny_model_dir):
-    """The shipped task YAMLs through the standard `lm_eval` command and through eval.run: the same numbers."""
+    """The shipped task YAMLs through the standard `lm_eval` command as docs/benchmarks.md writes it (no few-shot
+    flag: the tasks are 5-shot, as eval.run's default) and through eval.run: the same numbers."""
     import subprocess
     import sys
 
@@ -167,7 +168,7 @@ def test_lm_evals_cli_and_eval_run_give_identical_scores(tmp_path, data, tiny_mo
     model_args = f"pretrained={tiny_model_dir},dtype=float32"
     cli = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args,
            "--include_path", str(Path("eval/tasks").resolve()), "--tasks", tasks, "--metadata", metadata,
-           "--limit", "3", "--num_fewshot", "5", "--batch_size", "8", "--device", "cpu",
+           "--limit", "3", "--batch_size", "8", "--device", "cpu",
            "--gen_kwargs", "max_gen_toks=16", "--output_path", str(tmp_path / "cli")]  # fmt: skip
     completed = subprocess.run(cli, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -247,3 +248,47 @@ def test_a_failing_benchmark_is_logged_and_training_goes_on(tmp_path, data, tiny
     scores = run_benchmarks(model, Accelerator(cpu=True), tokenizer, settings, step=3, output_dir=tmp_path)
     assert scores == {} and model.training
     assert "step 3: benchmarks failed" in caplog.text and "vanished" in caplog.text
+
+
+def test_lm_evals_cli_names_a_bad_directory_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    metadata = json.dumps({"mmlu_dir": str(tmp_path / "no_mmlu")})
+    cli = [sys.executable, "-m", "lm_eval", "--model", "dummy", "--include_path", str(Path("eval/tasks").resolve()),
+           "--tasks", "mmlu_local_anatomy", "--metadata", metadata, "--limit", "1"]  # fmt: skip
+    completed = subprocess.run(cli, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert completed.returncode != 0
+    assert (
+        completed.stderr.strip().splitlines()[-1]
+        == f"error: mmlu_dir {tmp_path / 'no_mmlu'} does not exist or is not a directory"
+    )
+    assert "Traceback" not in completed.stderr
+
+
+@pytest.mark.parametrize("layout", ["csv", "parquet"])
+def test_real_mmlus_empty_question_loads_and_an_empty_choice_does_not_in_either_layout(tmp_path, layout):
+    """MMLU's sociology test split has a row with an empty question (every copy keeps it): legal in both layouts. An
+    empty choice is not, and is named by file and row in both."""
+
+    def write(rows):  # the same rows as test and as dev split; returns the test split's file
+        for split in ("dev", "test"):
+            if layout == "csv":
+                path = tmp_path / split / f"sociology_{split}.csv"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("".join(f'"{q}",{",".join(c)},{"ABCD"[a]}\n' for q, c, a in rows))
+            else:
+                path = tmp_path / "sociology" / f"{split}-0.parquet"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                columns = {"question": [q for q, _, _ in rows], "subject": ["sociology"] * len(rows),
+                           "choices": [c for _, c, _ in rows], "answer": [a for _, _, a in rows]}  # fmt: skip
+                pq.write_table(pa.table(columns), path)
+        return path
+
+    write([("", ["w", "x", "y", "z"], 2), ("q", ["a", "b", "c", "d"], 0)])
+    assert check_mmlu(tmp_path) == ["sociology"]
+    assert load_mmlu_subject(tmp_path, "sociology")["test"][0]["question"] == ""
+    path = write([("q", ["a", " ", "c", "d"], 0)])
+    where = f"{path.name}:1" if layout == "csv" else f"{path.name}: row 0"
+    with pytest.raises(BenchmarkDataError, match=f"{where}: choice B is empty"):
+        check_mmlu(tmp_path)

@@ -45,12 +45,13 @@ def test_seconds_are_gathers_plus_the_longer_of_compute_and_host_work():
 
 
 def test_the_plan_prices_the_70b_recipe_and_warns_when_benchmarks_dominate(capsys):
-    full = load_config(RECIPE_8, ["--eval_limit", "null", "--model_config.vocab_size", "32000"])
+    # at the evaluation batch the recipe used to have (2), every rank scoring every document
+    full = load_config(RECIPE_8, ["--per_device_eval_batch_size", "2", "--model_config.vocab_size", "32000"])
     plan = planner.make_plan(full, planner.hardware_from(full), load_deepspeed_json(planner.DEFAULT_DEEPSPEED_JSON))
     assert plan.eval_documents == {"mmlu": MMLU_TEST_DOCUMENTS, "gsm8k": GSM8K_TEST_DOCUMENTS}
-    assert plan.eval_share > 0.10 and plan.eval_seconds > 86_400, "a full pass at 70B on PCIe costs days"
+    assert plan.eval_share > 0.10 and plan.eval_seconds > 86_400, "a full pass at 70B on PCIe costs a day and more"
     assert any(w.startswith("benchmarks take") and "eval_limit" in w for w in plan.warnings)
-    assert planner.main(["--config", str(RECIPE_8), "--eval_limit", "null", "--json"]) == 0
+    assert planner.main(["--config", str(RECIPE_8), "--per_device_eval_batch_size", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["eval_forward_passes"] == plan.eval_forward_passes and out["eval_share"] > 0
     assert out["eval_seconds"] == pytest.approx(plan.eval_seconds)
@@ -69,3 +70,27 @@ def test_run_timings_split_scoring_from_generation():
     assert timings == {"benchmark_seconds": 13.0, "benchmark_seconds_per_document": 13.0 / 15,
                        "mmlu_seconds_per_document": 0.2, "gsm8k_seconds_per_document": 2.0}  # fmt: skip
     assert "gsm8k_seconds_per_document" not in benchmark_timings({**results, "timings": {}}, 13.0)
+
+
+@pytest.mark.parametrize("name", ["llama70b_a800x8", "llama70b_a800x16"])
+def test_the_70b_recipes_evaluate_within_their_budget(name):
+    """Full MMLU and GSM8K at every evaluation, split over the ranks, at an evaluation batch that fits: <= 5 % of the
+    training time between evaluations, as the recipes' comments say."""
+    config = load_config(REPO / f"recipes/configs/{name}.yaml", ["--model_config.vocab_size", "32000"])
+    plan = planner.make_plan(config, planner.hardware_from(config), load_deepspeed_json(planner.DEFAULT_DEEPSPEED_JSON))
+    assert config.eval_limit is None and config.eval_tasks == ["mmlu", "gsm8k"]
+    assert plan.eval_share <= 0.05
+    assert config.per_device_eval_batch_size <= plan.eval_batch_fits
+    header = (REPO / f"recipes/configs/{name}.yaml").read_text()
+    assert f"{plan.eval_forward_passes:,} forward passes per rank" in header
+    assert f"{plan.eval_batch_fits} rows fit" in header
+
+
+def test_an_eval_limit_below_the_number_of_ranks_is_refused_before_launch():
+    from recipes.config import ConfigError, validate_for_world
+
+    config = load_config(RECIPE_8, ["--eval_limit", "4", "--global_batch_size", "null"])
+    validate_for_world(config, 4)
+    with pytest.raises(ConfigError, match="eval_limit 4 is less than the 8 processes.*set eval_limit >= 8"):
+        validate_for_world(config, 8)
+    validate_for_world(load_config(RECIPE_8, ["--eval_limit", "4", "--eval_tasks", "[]"]), 8)

@@ -112,3 +112,13 @@ def test_70b_recipe_shape_has_the_spec_parameter_count(vocab_size, billions):
         flops = training_flops_per_token(params, 80, recipe.max_seq_length, 8192)
         assert flops / 1e9 == pytest.approx(430, abs=1)
         assert 8 * 312e12 / flops == pytest.approx(5_800, rel=0.01), "the SPEC's throughput ceiling on 8 GPUs"
+
+
+def test_a_cpu_without_native_bf16_is_told_once_that_bf16_is_emulated():
+    from recipes.training.startup import bf16_emulation_warning
+
+    line = bf16_emulation_warning(bf16=True, cuda=False, native_bf16=False)
+    assert "emulates" in line and "--bf16 false" in line and "\n" not in line
+    assert bf16_emulation_warning(bf16=True, cuda=False, native_bf16=True) is None
+    assert bf16_emulation_warning(bf16=True, cuda=True, native_bf16=False) is None
+    assert bf16_emulation_warning(bf16=False, cuda=False, native_bf16=False) is None

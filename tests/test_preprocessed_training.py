@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from data_prep.preprocess import preprocess
-from recipes.telemetry.metrics import read_metrics
-from tests.conftest import REPO, data_position, forge_data_position, launch, tiny_overrides
+from tests.conftest import REPO, data_position, forge_data_position, launch, tiny_overrides, train_losses
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,10 +38,6 @@ def run_args(corpus, packed_dir, output_dir, **extra):
         document_masking="true",
         **extra,
     )
-
-
-def train_losses(output_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r}
 
 
 @pytest.fixture(scope="module")

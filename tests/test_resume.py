@@ -19,12 +19,14 @@ from recipes.training.validation import load_validation_rows
 from tests.conftest import (
     LAUNCH_ENV,
     REPO,
+    eval_losses,
     forge_data_position,
     kill_whole_tree,
     launch,
     launch_command,
     start,
     tiny_overrides,
+    train_losses,
 )
 
 pytestmark = pytest.mark.multiprocess
@@ -47,10 +49,7 @@ def run_args(corpus, output_dir):
 
 
 def losses(output_dir):
-    records = read_metrics(output_dir / "metrics.jsonl")
-    train = {r["step"]: r["loss"] for r in records if "loss" in r}
-    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
-    return train, evals
+    return train_losses(output_dir), eval_losses(output_dir)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from recipes.telemetry.metrics import read_metrics
-from tests.conftest import LAUNCH_ENV, REPO, launch, launch_command, start, tiny_overrides
+from tests.conftest import LAUNCH_ENV, REPO, launch, launch_command, start, tiny_overrides, train_losses
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,10 +30,6 @@ def no_recipe_traceback(stderr: str) -> bool:
     """The ranks reported the cause in one line, not a traceback through the recipe's code (the launcher's own
     ChildFailedError report is another matter)."""
     return not any(f'File "{REPO / package}' in stderr for package in ("recipes", "common", "data_prep", "eval"))
-
-
-def losses(output_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +78,7 @@ def test_a_resume_does_not_hang_when_tokenizers_parallelism_is_exported(tmp_path
     # a hang is killed whole after 300 s and fails the test ("timed out")
     resumed = launch(PRETRAIN, [*args, "--max_steps", "6"], env=env, timeout_s=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "checkpoint-4 at step 4" in resumed.stderr and sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
+    assert "checkpoint-4 at step 4" in resumed.stderr and sorted(train_losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
 
 
 def test_killing_the_launcher_alone_ends_every_process_of_the_launch(tmp_path, corpus):
@@ -152,7 +148,7 @@ def test_a_corrupted_shard_is_skipped_for_the_previous_checkpoint_and_refused_by
     resumed = launch(PRETRAIN, run_args(corpus, output_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"skipped checkpoint-8: {shard}" in resumed.stderr and "checkpoint-4 at step 4" in resumed.stderr
-    assert losses(output_dir) == losses(finished), "resumed from checkpoint-4, bit-exact to the end"
+    assert train_losses(output_dir) == train_losses(finished), "resumed from checkpoint-4, bit-exact to the end"
 
 
 def test_a_fresh_start_into_a_used_directory_is_refused_unless_asked_to_overwrite(tmp_path, finished, corpus):
@@ -193,7 +189,7 @@ def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path, finished, cor
     result = launch(PRETRAIN, run_args(corpus, output_dir))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "is not a metrics record (torn by a kill?); dropped" in result.stderr
-    assert losses(output_dir) == losses(finished)
+    assert train_losses(output_dir) == train_losses(finished)
 
 
 def test_a_busy_metrics_port_is_refused_before_the_model_is_built(tmp_path, corpus):

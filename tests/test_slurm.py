@@ -12,9 +12,8 @@ import time
 
 import pytest
 
-from recipes.telemetry.metrics import read_metrics
 from tests import slurm_cluster
-from tests.conftest import REPO, TEST_BF16, free_port
+from tests.conftest import REPO, TEST_BF16, free_port, train_losses
 
 CPU_CONFIG = """compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
@@ -66,10 +65,6 @@ def submit(script: str, machines: int, tmp_path, output_dir, corpus) -> str:
     return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().split(";")[0]
 
 
-def losses(output_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r}
-
-
 @pytest.mark.slurm
 @pytest.mark.multiprocess
 def test_sbatch_scripts_run_save_on_usr1_requeue_and_resume_on_real_slurm(slurm, tmp_path, corpus):
@@ -78,7 +73,7 @@ def test_sbatch_scripts_run_save_on_usr1_requeue_and_resume_on_real_slurm(slurm,
     log = next(tmp_path.glob(f"*-{two_nodes}.out")).read_text()
     assert state["JobState"] == "COMPLETED", log[-3000:]
     assert state["NodeList"] == "n[1-2]" and "on 2 GPUs / 2 node(s)" in log
-    expected = losses(tmp_path / "two_nodes")
+    expected = train_losses(tmp_path / "two_nodes")
     assert sorted(expected) == list(range(1, 25))
 
     one_node = submit("llama70b_1x8.sbatch", 1, tmp_path, tmp_path / "one_node", corpus)
@@ -95,7 +90,7 @@ def test_sbatch_scripts_run_save_on_usr1_requeue_and_resume_on_real_slurm(slurm,
     assert "time limit near: asking every rank to save" in log
     saved = json.loads((output_dir / "run_summary.json").read_text())["resumed_from"]
     assert saved and "resume: continuing from" in log
-    assert losses(output_dir) == expected, "two ranks on one node, saved, requeued and resumed: the same losses"
+    assert train_losses(output_dir) == expected, "two ranks on one node, saved, requeued and resumed: the same losses"
 
 
 def test_the_scripts_forward_every_argument_intact(tmp_path):

@@ -108,3 +108,28 @@ def checkpoint_terms(config: PretrainConfig, params: int, world: int) -> dict[st
             checkpoint_gb / world * (1 / CHECKPOINT_WRITE_GB_PER_S_PER_RANK + 1 / SHA256_GB_PER_S), 1
         ),
     }
+
+
+EVAL_ROWS_CAP = 64  # beyond this, a bigger evaluation batch saves few forward passes on benchmark-sized document sets
+
+
+def eval_bytes_per_row(config: PretrainConfig, shape: dict[str, Any]) -> float:
+    """Device memory one row of an evaluation batch takes beyond the resident training state: its logits in bf16 and
+    their fp32 log-softmax, a generation cache as long as a training row, and one layer's no-grad activations."""
+    seq, hidden, layers = config.max_seq_length, shape["hidden_size"], shape["num_hidden_layers"]
+    heads = shape["num_attention_heads"]
+    kv_dim = (shape.get("num_key_value_heads") or heads) * (hidden // heads)
+    logits = seq * shape["vocab_size"] * (2 + 4)
+    kv_cache = 2 * layers * kv_dim * seq * 2
+    return logits + kv_cache + 16 * seq * hidden
+
+
+def eval_rows_that_fit(config: PretrainConfig, shape: dict[str, Any], memory: dict[str, float],
+                       gpu_memory_gb: float | None) -> int | None:  # fmt: skip
+    """The largest evaluation batch per GPU (at most EVAL_ROWS_CAP) in the memory training leaves free while it
+    evaluates: the step's activations and logits are released, everything else stays. None without a GPU size."""
+    if gpu_memory_gb is None:
+        return None
+    resident = memory["total"] - memory["activations"] - memory["logits"] - memory["allocator_margin"]
+    headroom_bytes = (gpu_memory_gb * (1 - ALLOCATOR_MARGIN) - resident) * GB
+    return max(0, min(EVAL_ROWS_CAP, int(headroom_bytes // eval_bytes_per_row(config, shape))))

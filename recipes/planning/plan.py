@@ -22,6 +22,7 @@ from recipes.planning.memory import (
     ASSUMED_VOCAB_SIZE,
     DEEPSPEED_HOST_BUFFER_FACTOR,
     checkpoint_terms,
+    eval_rows_that_fit,
     gpu_memory_terms,
     host_memory_terms,
 )
@@ -66,6 +67,7 @@ class Plan:
     eval_seconds: float | None
     eval_seconds_by_task: dict[str, float] | None
     eval_share: float | None  # of the training time between two benchmark evaluations
+    eval_batch_fits: int | None  # the largest per_device_eval_batch_size the memory left during evaluation holds
     fits: bool
     verdicts: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -260,6 +262,7 @@ def make_plan(
         gpu_hours=gpu_hours,
         **checkpoint_terms(config, params, world),
         **eval_terms(price_evaluation(config, hardware, ds_config, shape, params, step_seconds)),
+        eval_batch_fits=eval_rows_that_fit(config, shape, memory, hardware.gpu_memory_gb),
         fits=True,
         warnings=warnings,
         hardware=asdict(hardware),
@@ -269,6 +272,13 @@ def make_plan(
 
 
 def _judge(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens_per_s: float | None) -> None:
+    """The verdict (fits or not, by which terms) and the warnings a plan carries."""
+    _memory_verdicts(plan, hardware)
+    _warnings(plan, config, hardware, target_tokens_per_s)
+    _evaluation_warnings(plan, config)
+
+
+def _memory_verdicts(plan: Plan, hardware: Hardware) -> None:
     memory = plan.per_gpu_memory_gb
     if hardware.gpu_memory_gb is not None and memory["total"] > hardware.gpu_memory_gb:
         plan.fits = False
@@ -292,6 +302,9 @@ def _judge(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens
             + f", {plan.host_memory_per_node_gb:.0f} GB host memory per node"
             + (f" of {hardware.host_memory_gb:g}" if hardware.host_memory_gb else "")
         )
+
+
+def _warnings(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens_per_s: float | None) -> None:
     if hardware.host_memory_gb is not None and plan.deepspeed_host_estimate_gb > hardware.host_memory_gb:
         plan.warnings.append(
             f"DeepSpeed's estimator, with its {DEEPSPEED_HOST_BUFFER_FACTOR}x buffer factor, asks "
@@ -310,6 +323,16 @@ def _judge(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens
             f"warmup is {plan.warmup_fraction:.2%} of training ({config.warmup_steps:,} of {plan.total_steps:,} "
             "steps); 0.1-10% is usual"
         )
+    if plan.params > 1e9 and not config.gradient_checkpointing:
+        plan.warnings.append("gradient checkpointing is off for a >1B model: activations dominate memory")
+    if plan.expected_days and plan.expected_days > 365:
+        plan.warnings.append(
+            f"the token budget takes {plan.expected_days / 365:.1f} years at "
+            f"{hardware.mfu if hardware.mfu is not None else plan.predicted_mfu:.0%} MFU on {hardware.gpus} GPUs"
+        )
+
+
+def _evaluation_warnings(plan: Plan, config: PretrainConfig) -> None:
     if plan.eval_share is not None and plan.eval_share > SHARE_WARNING:
         plan.warnings.append(
             f"benchmarks take {plan.eval_share:.0%} of the training time between evaluations "
@@ -317,12 +340,10 @@ def _judge(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens
             f"each gathering the whole model): set eval_limit, raise per_device_eval_batch_size, lower "
             "eval_max_gen_toks or evaluate less often (eval_benchmarks_every)"
         )
-    if plan.params > 1e9 and not config.gradient_checkpointing:
-        plan.warnings.append("gradient checkpointing is off for a >1B model: activations dominate memory")
-    if plan.expected_days and plan.expected_days > 365:
+    if plan.eval_batch_fits is not None and config.per_device_eval_batch_size > plan.eval_batch_fits:
         plan.warnings.append(
-            f"the token budget takes {plan.expected_days / 365:.1f} years at "
-            f"{hardware.mfu if hardware.mfu is not None else plan.predicted_mfu:.0%} MFU on {hardware.gpus} GPUs"
+            f"per_device_eval_batch_size {config.per_device_eval_batch_size} is more than the {plan.eval_batch_fits} "
+            "rows that fit in the memory left while evaluating: validation or benchmarks may run out of memory"
         )
 
 

@@ -51,6 +51,11 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
             f"  benchmarks per evaluation: {documents} documents; {plan.eval_forward_passes:,} forward passes per "
             f"rank (each gathers the model); ~{format_duration(plan.eval_seconds)}{share}"
         )
+    if plan.eval_batch_fits is not None:
+        lines.append(
+            f"  evaluation batch: {config.per_device_eval_batch_size} per GPU; {plan.eval_batch_fits} fit in the memory"
+            " left while evaluating (no optimizer step, no activations kept for a backward)"
+        )
     lines += [f"  verdict: {v}" for v in plan.verdicts]
     lines += [f"  warning: {w}" for w in plan.warnings]
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from common.collectives import on_every_rank, on_main_process
+from common.hardware import cpu_has_native_bf16
 from common.process import local_world_size
 from data_prep.readers import resolve_sources
 from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
@@ -98,6 +99,17 @@ class RunInputs:
     predictions: dict  # the plan's step time, tokens/s and peak memory, put beside the measured ones at the end
 
 
+def bf16_emulation_warning(bf16: bool, cuda: bool, native_bf16: bool) -> str | None:
+    """The line a CPU run in bf16 gets where the CPU has no bf16 instructions (no AVX512-BF16 or AMX): torch then
+    emulates bf16 matmuls, 10-100x slower than fp32 (common.hardware has the measurements)."""
+    if not bf16 or cuda or native_bf16:
+        return None
+    return (
+        "bf16 on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): torch emulates it, "
+        "10-100x slower than fp32; --bf16 false trains this rehearsal in fp32"
+    )
+
+
 def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     """Everything that can be wrong with the inputs, checked before the model costs anything."""
     try:
@@ -119,6 +131,9 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     if benchmarks:
         benchmarks.check()  # data directories load, before the model costs anything
         logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
+    slow_bf16 = bf16_emulation_warning(config.bf16, torch.cuda.is_available(), cpu_has_native_bf16())
+    if slow_bf16:
+        logger.warning(slow_bf16)
     attn_implementation, reason = detect_attn_implementation(config.attn_implementation)
     logger.info("%s (%s)", attention.describe(attn_implementation, config.document_masking), reason)
     plan = make_plan(

@@ -1,0 +1,98 @@
+"""lm-eval split over the ranks of a ZeRO-3 run: each rank scores its share of the documents, every rank takes part in
+every forward pass.
+
+lm-eval's `evaluate()` already deals documents out by rank (`doc_id % world_size == rank`), pads the request lists to
+equal length and gathers the metrics to rank 0, given an LM that says its rank and world size and can all-gather,
+gather objects and wait at a barrier (`ShardedLM` does, over torch.distributed). Under ZeRO-3 that is not enough:
+every forward pass all-gathers the sharded weights, so every rank must run the same number of forward passes, and
+lm-eval's batch counts differ between ranks (MMLU's four answers share one forward per context; a rank with fewer
+distinct contexts runs fewer batches). So before its first forward each rank all-reduces its batch count and, after
+its own batches, runs one-token dummy forwards (and one-token dummy generations, which `synced_gpus` keeps stepping
+while another rank still generates) up to the largest count.
+
+Few-shot prompts: lm-eval draws GSM8K's examples from one seeded stream, consumed document by document, so a rank
+that builds only its own documents' prompts draws other examples than one process would. `same_prompts_as_one_rank`
+makes every rank build the one-process requests and keep its share, so the prompts and the scores are those of a
+single-process evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+
+@functools.cache
+def sharded_lm_class(base):
+    """`base` (an HFLM subclass) for rank `rank` of `world_size` ranks that share one ZeRO-3 model."""
+    import torch
+    import torch.distributed as dist
+    from lm_eval.models.utils import Collator
+
+    def most_on_any_rank(count: int, device) -> int:
+        value = torch.tensor([count], dtype=torch.int64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
+    class ShardedLM(base):
+        def __init__(self, *args, rank: int, world_size: int, **kwargs):
+            super().__init__(*args, **kwargs)  # a live model: HFLM takes the model's device and says rank 0 of 1
+            self._rank, self._world_size = rank, world_size
+            self.dummy_forwards = 0  # padding forwards this rank ran, for tests and logs
+
+        def all_gather(self, tensor):
+            pieces = [torch.zeros_like(tensor.reshape(1)) for _ in range(self.world_size)]
+            dist.all_gather(pieces, tensor.reshape(1))
+            return torch.cat(pieces)
+
+        def barrier(self):
+            dist.barrier()
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+            # the batches lm-eval will form: one per `batch_size` distinct contexts (its logits cache)
+            group_by = "contexts" if self.backend == "causal" and self.logits_cache else None
+            batches = Collator(requests, sort_fn=lambda r: 0, group_by=group_by, group_fn=lambda r: r[-2] + r[-1][:-1])
+            mine = sum(1 for _ in batches.get_batched(n=self.batch_size))
+            most = most_on_any_rank(mine, self.device)  # before any forward: a collective between forwards hangs
+            result = super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+            for _ in range(most - mine):
+                self._model_call(torch.full((1, 1), self.eot_token_id, device=self.device))
+                self.dummy_forwards += 1
+            return result
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            calls = Collator([r.args for r in requests], sort_fn=lambda r: 0, group_by="gen_kwargs",
+                             group_fn=lambda r: r[1])  # fmt: skip
+            mine = sum(1 for _ in calls.get_batched(n=self.batch_size))
+            most = most_on_any_rank(mine, self.device)
+            result = super().generate_until(requests, disable_tqdm=disable_tqdm)
+            for _ in range(most - mine):
+                context = torch.full((1, 1), self.eot_token_id, device=self.device)
+                self._model_generate(context=context, attention_mask=torch.ones_like(context), max_length=2, stop=[])
+                self.dummy_forwards += 1
+            return result
+
+        def _model_generate(self, context, max_length: int, stop, **generation_kwargs):
+            # a rank that has finished keeps stepping until every rank has: each step is a gathered forward
+            return super()._model_generate(context, max_length, stop, **{**generation_kwargs, "synced_gpus": True})
+
+    return ShardedLM
+
+
+@contextlib.contextmanager
+def same_prompts_as_one_rank(rank: int, world_size: int):
+    """While active, every lm-eval task builds the requests of a one-process evaluation (the same few-shot draws)
+    and keeps those of its documents with `doc_id % world_size == rank`: the share `evaluate()` expects of it."""
+    from lm_eval.api.task import Task
+
+    original = Task.build_all_requests
+
+    def build_all_requests(self, **kwargs):
+        original(self, **{**kwargs, "rank": 0, "world_size": 1})
+        self._instances = [instance for instance in self._instances if instance.doc_id % world_size == rank]
+
+    Task.build_all_requests = build_all_requests
+    try:
+        yield
+    finally:
+        Task.build_all_requests = original

@@ -1,0 +1,50 @@
+"""Launched by tests/test_eval_sharded.py on 1 and on 2 CPU processes: the in-loop benchmarks on a trained model loaded
+into the recipe's ZeRO-3 engine (partitioned as it loads), with every document's record kept. Rank 0 writes
+lm-eval's results and samples under OUTPUT/eval/, and every rank writes how many dummy forwards it ran."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from eval import sharded
+from eval.harness import BenchmarkSettings
+from eval.in_loop import run_benchmarks
+from recipes.config import load_config
+from recipes.training.model import build_engine, llama_config
+from recipes.training.startup import setup_distributed
+
+
+def main(recipe: str, output: str, mmlu_dir: str, gsm8k_dir: str, overrides: list[str]) -> None:
+    config = load_config(recipe, overrides)
+    accelerator, ds_config = setup_distributed(config)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
+    engine, _, _ = build_engine(config, llama_config(config, len(tokenizer)), "sdpa", ds_config, accelerator, False)
+    settings = BenchmarkSettings(tasks=["mmlu", "gsm8k"], mmlu_dir=mmlu_dir, gsm8k_dir=gsm8k_dir, limit=5,
+                                 batch_size=2, max_gen_toks=10, log_samples=True)  # fmt: skip
+    counted = []
+    original = sharded.sharded_lm_class
+
+    def counting(base):  # record each rank's padding forwards
+        cls = original(base)
+
+        class Counting(cls):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                counted.append(self)
+
+        return Counting
+
+    sharded.sharded_lm_class = counting
+    scores = run_benchmarks(engine, accelerator, tokenizer, settings, step=0, output_dir=Path(output))
+    dummies = counted[0].dummy_forwards if counted else 0
+    Path(output, f"rank-{accelerator.process_index}.json").write_text(json.dumps({"scores": scores, "dummy": dummies}))
+    torch.distributed.barrier()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
