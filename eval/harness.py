@@ -16,6 +16,7 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from data_prep.benchmark_files import mmlu_layout
 
@@ -71,10 +72,25 @@ def task_names(settings: BenchmarkSettings) -> list[str]:
 @functools.lru_cache(maxsize=4)
 def task_manager(metadata: tuple[tuple[str, str], ...], hub: bool):
     """lm-eval's task index over `eval/tasks` (and its own tasks only when a hub task is asked for: indexing all
-    ~27k of them costs ~8 s)."""
+    ~27k of them costs ~8 s). It keeps the tasks it loaded: an evaluation every 1,000 steps of a run reuses them,
+    their documents read and checked once (loading MMLU's 57 subjects and GSM8K costs ~1 s each time otherwise);
+    lm-eval resets their few-shot seed and rebuilds their requests at every evaluation."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR), include_defaults=hub, metadata=dict(metadata))
+    class KeepingTaskManager(TaskManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loaded: dict[tuple, Any] = {}
+
+        def load(self, task_list):
+            if not isinstance(task_list, (list, tuple)) or not all(isinstance(t, str) for t in task_list):
+                return super().load(task_list)
+            key = tuple(task_list)
+            if key not in self.loaded:
+                self.loaded[key] = super().load(list(task_list))
+            return self.loaded[key]
+
+    return KeepingTaskManager(include_path=str(TASKS_DIR), include_defaults=hub, metadata=dict(metadata))
 
 
 def evaluate(

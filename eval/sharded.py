@@ -19,6 +19,7 @@ single-process evaluation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 
@@ -82,14 +83,26 @@ def sharded_lm_class(base):
 @contextlib.contextmanager
 def same_prompts_as_one_rank(rank: int, world_size: int):
     """While active, every lm-eval task builds the requests of a one-process evaluation (the same few-shot draws)
-    and keeps those of its documents with `doc_id % world_size == rank`: the share `evaluate()` expects of it."""
+    and keeps those of its documents with `doc_id % world_size == rank`: the share `evaluate()` expects of it.
+
+    The one-process requests of a task are built once and kept on the task (a full MMLU + GSM8K build takes ~30 s on
+    every rank): later evaluations with the same settings get fresh copies of them."""
     from lm_eval.api.task import Task
 
     original = Task.build_all_requests
 
     def build_all_requests(self, **kwargs):
-        original(self, **{**kwargs, "rank": 0, "world_size": 1})
-        self._instances = [instance for instance in self._instances if instance.doc_id % world_size == rank]
+        settings = {key: value for key, value in kwargs.items() if key not in ("rank", "world_size")}
+        key = (self.config.num_fewshot, repr(sorted(settings.items())))
+        kept = self.__dict__.setdefault("_one_rank_requests", {})
+        if key not in kept:
+            original(self, **settings, rank=0, world_size=1)
+            kept[key] = self._instances
+        self._instances = [
+            dataclasses.replace(instance, resps=[], filtered_resps={})
+            for instance in kept[key]
+            if instance.doc_id % world_size == rank
+        ]
 
     Task.build_all_requests = build_all_requests
     try:

@@ -55,3 +55,10 @@ def test_mixture_sampling_runs_on_a_small_corpus(tmp_path, corpus):
     report = run_benchmark("mixture_sampling", "--input", small_corpus(tmp_path, corpus, 60), "--tokenizer",
                            str(corpus["tokenizer"]), "--seq-len", "64", "--rows", "500")  # fmt: skip
     assert report["rows"] == 500 and report["single_us_per_row"] > 0 and report["mixture_us_per_row"] > 0
+
+
+@pytest.mark.multiprocess
+def test_eval_in_loop_times_both_modes_on_two_ranks():
+    report = run_benchmark("eval_in_loop", "--limit", "2", "--max-gen-toks", "4", "--repeats", "1")
+    assert report["replicated_s"] > 0 and report["sharded_s"] > 0
+    assert report["speedup"] == pytest.approx(report["replicated_s"] / report["sharded_s"])
