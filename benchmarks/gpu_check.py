@@ -72,9 +72,9 @@ class Scale:
 
     @classmethod
     def of(cls, dry_run: bool) -> Scale:
-        if dry_run:
+        if dry_run:  # one timed and one memory-only configuration: every measurement path, half the launches
             return cls(True, warmup_steps=1, timed_steps=1, memory_steps=1, corpus_mb=0.6, tokenizer_vocab=1024,
-                       eval_documents=2)  # fmt: skip
+                       eval_documents=2, configurations=((2, True), (1, False)))  # fmt: skip
         return cls(False, warmup_steps=5, timed_steps=20, memory_steps=3, corpus_mb=8.0, tokenizer_vocab=8192,
                    eval_documents=16)  # fmt: skip
 

@@ -161,3 +161,19 @@ def trained_run(tmp_path_factory, corpus) -> dict:
     assert result.returncode == 0, result.stderr[-6000:]
     return {"dir": output_dir, "log": result.stderr + result.stdout, "config": load_config(TINY_RECIPE, args[2:]),
             "corpus": corpus, "steps": 40}  # fmt: skip
+
+
+# The session's reference run: 16 steps, a checkpoint every 4 (the newest two kept: 12 and 16), every step logged,
+# validation at 8 and 16. Tests that resume, kill or damage a run compare with it.
+REFERENCE_RUN = dict(max_steps=16, save_steps=4, save_total_limit=2, logging_steps=1, eval_steps=8,
+                     max_eval_samples=16, warmup_steps=4)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, corpus) -> Path:
+    """The output directory of one uninterrupted REFERENCE_RUN, shared by the whole session (copy it to change it)."""
+    output_dir = tmp_path_factory.mktemp("reference_run")
+    result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, output_dir, **REFERENCE_RUN))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert sorted(train_losses(output_dir)) == list(range(1, REFERENCE_RUN["max_steps"] + 1))
+    return output_dir

@@ -49,9 +49,8 @@ def test_the_dry_run_exercises_every_stage_on_the_cpu(tmp_path):
     stages = results["stages"]
     assert stages["model_only"]["tokens_per_s"] > 0
     runs = stages["training"]
-    assert [(r["micro_batch"], r["gradient_checkpointing"]) for r in runs] == [(2, True), (2, False), (1, True),
-                                                                              (1, False)]  # fmt: skip
-    assert all(r["recipe_s_per_step"] > 0 and r["recipe_masked_s_per_step"] > 0 for r in runs[:2])
+    assert [(r["micro_batch"], r["gradient_checkpointing"]) for r in runs] == [(2, True), (1, False)]
+    assert runs[0]["recipe_s_per_step"] > 0 and runs[0]["recipe_masked_s_per_step"] > 0
     assert all(r["bare_s_per_step"] > 0 and r["plan_memory"]["plan_total_gb"] > 0 for r in runs)
     assert (tmp_path / "profile_mb2_ckpt_on.txt").read_text().count("aten::") > 5
     checks = {c["attn_implementation"]: c for c in stages["attention"]["checks"]}

@@ -122,3 +122,19 @@ def test_a_cpu_without_native_bf16_is_told_once_that_bf16_is_emulated():
     assert bf16_emulation_warning(bf16=True, cuda=False, native_bf16=True) is None
     assert bf16_emulation_warning(bf16=True, cuda=True, native_bf16=False) is None
     assert bf16_emulation_warning(bf16=False, cuda=False, native_bf16=False) is None
+
+
+def test_deepspeed_imports_without_mlflow_and_mlflow_still_imports_after():
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from recipes.training.startup import import_deepspeed_without_mlflow; "
+        "import_deepspeed_without_mlflow(); assert 'deepspeed' in sys.modules; "
+        "from deepspeed.autotuning import autotuner; assert not autotuner.has_mlflow; "
+        "import mlflow; print(mlflow.__name__)"
+    )
+    completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                               env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.strip().endswith("mlflow")

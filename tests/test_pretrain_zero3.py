@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.hardware import cpu_has_native_bf16
 from recipes.telemetry.metrics import read_metrics
 from recipes.training.checkpointing import verify_checksums
 from recipes.training.schedule import lr_at_step
@@ -156,21 +157,6 @@ def test_continues_from_the_exported_checkpoint(run, tmp_path):
     assert continued[0] < math.log(1024) - 0.5, "a fresh model would start near the uniform loss"
 
 
-def test_impossible_batch_stops_before_the_model_is_built(tmp_path, corpus):
-    result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, tmp_path, global_batch_size=64))
-    assert result.returncode != 0
-    assert "global_batch_size is 64" in result.stderr and "Launch on 4 processes" in result.stderr
-    assert "parameters; this rank holds" not in result.stderr
-
-
-def test_preflight_refuses_a_run_that_does_not_fit(tmp_path, corpus):
-    # Without CUDA the recipe's hardware.gpu_memory_gb stands in for device memory.
-    result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, tmp_path, **{"hardware.gpu_memory_gb": 0.5}))
-    assert result.returncode != 0
-    assert "the plan says this run does not fit" in result.stderr and "0.5 GB available" in result.stderr
-    assert "parameters; this rank holds" not in result.stderr
-
-
 def test_config_errors_are_reported_without_a_launch():
     command = [sys.executable, "recipes/pretrain.py", "--config", str(TINY_RECIPE), "--learnin_rate", "1e-4"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -181,22 +167,25 @@ def test_config_errors_are_reported_without_a_launch():
 def test_the_bf16_path_trains_and_resumes_bit_exactly(tmp_path, corpus):
     """bf16 mixed precision as a 70B run uses it, on every machine (~4 s a step where the CPU emulates bf16)."""
     args = tiny_overrides(
-        corpus, tmp_path / "full", bf16="true", max_steps=4, save_steps=2, logging_steps=1, eval_steps=100,
+        corpus, tmp_path / "full", bf16="true", max_steps=2, save_steps=1, logging_steps=1, eval_steps=100,
         warmup_steps=1, **{"model_config.num_hidden_layers": 2},
     )  # fmt: skip
     full = launch(REPO / "recipes/pretrain.py", args)
     assert full.returncode == 0, full.stderr[-4000:]
     assert json.loads((tmp_path / "full" / "deepspeed_config.json").read_text())["bf16"]["enabled"] is True
     resumed_dir = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "full", resumed_dir, ignore=shutil.ignore_patterns("checkpoint-4", "final"))
+    shutil.copytree(tmp_path / "full", resumed_dir, ignore=shutil.ignore_patterns("checkpoint-2", "final"))
+    (resumed_dir / "latest").write_text("checkpoint-1\n")
     resumed = launch(REPO / "recipes/pretrain.py", [*args, "--output_dir", str(resumed_dir)])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "checkpoint-2 at step 2" in resumed.stderr
+    assert "checkpoint-1 at step 1" in resumed.stderr
+    emulated = "emulates it, 10-100x slower" in full.stderr
+    assert emulated == (not cpu_has_native_bf16()), "the run says when this CPU emulates bf16"
 
     def losses(run_dir):
         return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
-    assert losses(resumed_dir) == losses(tmp_path / "full") and sorted(losses(resumed_dir)) == [1, 2, 3, 4]
+    assert losses(resumed_dir) == losses(tmp_path / "full") and sorted(losses(resumed_dir)) == [1, 2]
 
 
 class ForceEosAt:

@@ -18,6 +18,7 @@ from recipes.telemetry.metrics import read_metrics
 from recipes.training.validation import load_validation_rows
 from tests.conftest import (
     LAUNCH_ENV,
+    REFERENCE_RUN,
     REPO,
     eval_losses,
     forge_data_position,
@@ -31,21 +32,11 @@ from tests.conftest import (
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 16
+STEPS = REFERENCE_RUN["max_steps"]
 
 
 def run_args(corpus, output_dir):
-    return tiny_overrides(
-        corpus,
-        output_dir,
-        max_steps=STEPS,
-        save_steps=4,
-        save_total_limit=2,
-        logging_steps=1,
-        eval_steps=8,
-        max_eval_samples=16,
-        warmup_steps=4,
-    )
+    return tiny_overrides(corpus, output_dir, **REFERENCE_RUN)
 
 
 def losses(output_dir):
@@ -53,13 +44,8 @@ def losses(output_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, corpus):
-    output_dir = tmp_path_factory.mktemp("uninterrupted")
-    result = launch(REPO / "recipes/pretrain.py", run_args(corpus, output_dir))
-    assert result.returncode == 0, result.stderr[-4000:]
-    train, _ = losses(output_dir)
-    assert sorted(train) == list(range(1, STEPS + 1))
-    return output_dir
+def uninterrupted(reference_run):
+    return reference_run
 
 
 def test_sigkill_anywhere_then_relaunch_is_bit_exact(tmp_path, corpus, uninterrupted):
@@ -116,14 +102,15 @@ def test_negative_control_without_the_data_position_diverges(tmp_path, uninterru
     assert all(train[s] != expected_train[s] for s in range(13, STEPS + 1))
 
 
-def test_a_requested_checkpoint_that_is_incomplete_is_an_error(tmp_path, uninterrupted, corpus):
+def test_a_requested_checkpoint_that_is_incomplete_is_an_error(tmp_path, uninterrupted):
+    """Refused while the checkpoint is chosen, before the model (no launch needed to see the answer)."""
+    from recipes.training.checkpointing import CheckpointError, find_resume_checkpoint
+
     broken = tmp_path / "checkpoint-4"
     shutil.copytree(uninterrupted / "checkpoint-12", broken)
     (broken / "manifest.json").unlink()
-    result = launch(REPO / "recipes/pretrain.py", [*run_args(corpus, tmp_path / "out"), "--resume", str(broken)])
-    assert result.returncode != 0
-    assert "cannot resume from the requested checkpoint" in result.stderr and "has no manifest.json" in result.stderr
-    assert "parameters; this rank holds" not in result.stderr
+    with pytest.raises(CheckpointError, match="cannot resume from the requested checkpoint.*has no manifest.json"):
+        find_resume_checkpoint(tmp_path / "out", str(broken))
 
 
 RANK_PATTERN = re.search(r"RANK_PATTERN='([^']+)'", (REPO / "scripts/slurm/run.sh").read_text()).group(1)

@@ -244,6 +244,10 @@ class PretrainConfig:
     eval_max_gen_toks: int | None = field(
         default=None, metadata={"help": "GSM8K answer budget in tokens; unset keeps lm-eval's 256."}
     )
+    eval_log_samples: bool = field(
+        default=False,
+        metadata={"help": "Write every benchmark document's prompt, answers and scores to eval/step-N-samples.jsonl."},
+    )
     mmlu_dir: str | None = field(
         default=None,
         metadata={

@@ -1,0 +1,111 @@
+"""Refusals that preflight makes before the model is built, checked here by calling the check itself: a launch would
+only add ~20 s of process start to the same answer. tests/test_run_safety.py keeps launches that show such a
+refusal reaching the user as one line, with nothing built."""
+
+import json
+import socket
+
+import pytest
+from transformers import AutoTokenizer
+
+from recipes.config import ConfigError, load_config
+from tests.conftest import REPO, TINY_RECIPE, tiny_overrides
+
+
+def test_a_busy_metrics_port_is_refused_before_the_model_is_built():
+    """Preflight's check (on every node's local rank 0, before the model; no launch needed to see its answer)."""
+    from recipes.training.startup import check_port_free
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"prometheus_port {port} cannot be served on {socket.gethostname()}"):
+            check_port_free(port)
+    check_port_free(port)
+
+
+def test_a_preprocessed_directory_without_a_global_batch_is_refused(tmp_path, corpus):
+    """Refused when the training data is opened, before the model (no launch needed to see the answer)."""
+
+    from data_prep.preprocess import preprocess
+    from recipes.config import ConfigError
+    from recipes.training.train_data import TrainData, open_train_source
+
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text(json.dumps({"text": "def f(): return 1"}) + "\n")
+    packed = tmp_path / "packed"
+    assert preprocess(str(corpus["tokenizer"]), [str(tiny)], str(packed), 128, 1)["num_sequences"] == 0
+    config = load_config(
+        REPO / "recipes/configs/tiny_cpu.yaml", tiny_overrides(corpus, tmp_path / "run", train_files=packed)[2:]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    with pytest.raises(ConfigError, match="0 preprocessed rows are fewer than one global batch of 32"):
+        TrainData(open_train_source(config, tokenizer, 2), config, tokenizer, rank=0, world=2)
+
+
+def test_a_launch_for_more_gpus_than_the_node_has_stops_naming_both_numbers(monkeypatch):
+    """Checked first thing in every rank (no launch needed to see the answer)."""
+    import torch
+
+    from recipes.training.startup import check_gpus_per_node
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs the launch asks for")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    with pytest.raises(
+        ConfigError, match=f"starts 2 processes on this node, but it has {torch.cuda.device_count()} GPU"
+    ):
+        check_gpus_per_node()
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    check_gpus_per_node()  # a deliberate CPU rehearsal
+
+
+def preflight_refusal(corpus, output_dir, **overrides) -> str:
+    """What preflight (recipes.training.startup.preflight, run by every rank of a launch before the model) says of the
+    tiny recipe with `overrides` on a 2-process launch, or "" when it accepts it."""
+    from types import SimpleNamespace
+
+    from recipes.config.deepspeed import load_deepspeed_json, resolve_deepspeed_config
+    from recipes.training.startup import preflight
+
+    config = load_config(TINY_RECIPE, tiny_overrides(corpus, output_dir, **overrides)[2:])
+    ds_config = resolve_deepspeed_config(
+        load_deepspeed_json(REPO / "accelerate_configs/deepspeed/zero3.json"), config, world_size=2
+    )
+    accelerator = SimpleNamespace(num_processes=2, process_index=0, is_main_process=True, is_local_main_process=True)
+    try:
+        preflight(config, accelerator, ds_config)
+    except (ConfigError, ValueError) as error:
+        return str(error)
+    return ""
+
+
+def test_an_impossible_global_batch_is_refused_naming_the_launch_that_would_fit(corpus, tmp_path):
+    from recipes.config import validate_for_world
+
+    config = load_config(TINY_RECIPE, tiny_overrides(corpus, tmp_path, global_batch_size=64)[2:])
+    with pytest.raises(ConfigError, match="global_batch_size is 64.*Launch on 4 processes"):
+        validate_for_world(config, 2)
+
+
+def test_a_run_that_does_not_fit_is_refused_by_the_plan(corpus, tmp_path):
+    # Without CUDA the recipe's hardware.gpu_memory_gb stands in for device memory.
+    said = preflight_refusal(corpus, tmp_path, **{"hardware.gpu_memory_gb": 0.5})
+    assert "the plan says this run does not fit" in said and "0.5 GB available" in said
+    assert preflight_refusal(corpus, tmp_path) == ""
+
+
+def test_a_missing_benchmark_directory_is_refused(corpus, tmp_path):
+    said = preflight_refusal(corpus, tmp_path / "out", eval_tasks="[mmlu]", mmlu_dir=tmp_path / "no_mmlu")
+    assert f"mmlu_dir {tmp_path / 'no_mmlu'} does not exist" in said
+
+
+def test_a_directory_made_for_another_row_length_is_refused(corpus, tmp_path):
+    from data_prep.preprocess import preprocess
+
+    packed = tmp_path / "packed"
+    preprocess(str(corpus["tokenizer"]), [str(corpus["validation"])], str(packed), 128, 1)
+    said = preflight_refusal(corpus, tmp_path / "out", train_files=packed, max_seq_length=64)
+    assert "holds rows of 128 tokens, max_seq_length is 64" in said
