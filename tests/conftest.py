@@ -63,6 +63,11 @@ def launch_command(script: str | Path, args: list[str], num_processes: int = 2) 
 # tests/test_pretrain_zero3.py keeps a short bf16 run on every machine.
 TEST_BF16 = cpu_has_native_bf16()
 
+# DeepSpeed JIT-builds its CPU ops with the first `ninja` on PATH, and ninja rebuilds whenever the build command's hash
+# changes, which it does between ninja versions: with the venv's ninja first for some launches (the Slurm jobs, which
+# need the venv's `accelerate`) and a system ninja for others, every switch cost ~40 s of rebuilding both ops. Every
+# process the tests start finds the venv's tools first, as in an activated venv.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 LAUNCH_ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
 
 
