@@ -110,3 +110,54 @@ def _read(fd: int) -> dict:
         return json.loads(os.pread(fd, 1 << 16, 0).decode() or "{}")
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}
+
+
+class FileLock:
+    """A flock on one file for as long as it is held: shared for readers (any number at once), exclusive for one
+    writer. Non-blocking: `acquire` raises LockedError naming the file when the lock is taken. The kernel drops it
+    when the holder dies. (flock is reliable between processes of one host; on a shared filesystem across hosts only
+    where the filesystem supports it.)"""
+
+    def __init__(self, path: str | Path, shared: bool = False, what: str = "another process"):
+        self.path, self.shared, self.what = Path(path), shared, what
+        self._fd: int | None = None
+
+    def acquire(self) -> FileLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read(fd)
+            os.close(fd)
+            raise LockedError(f"{self.path} is held by {self.what} ({describe(holder)})") from None
+        if not self.shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(_this_process()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> FileLock:
+        return self.acquire()
+
+    def __exit__(self, *_) -> None:
+        self.release()
+
+
+def held_by_someone(path: str | Path) -> bool:
+    """Whether any process holds a flock (shared or exclusive) on `path` now; False when it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

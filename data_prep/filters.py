@@ -1,10 +1,11 @@
 """Documents that must not be trained on: copies of benchmark test questions (decontamination) and exact duplicates.
 
-Decontamination follows GPT-3 and OLMo: a document is dropped when it shares a normalized n-gram (lowercase,
-ASCII punctuation removed, split at whitespace; n = 13 by default) with a benchmark test item (an MMLU question with
-its choices, a GSM8K question). An item shorter than n words matches only whole; one shorter than MIN_WORDS is not
-checked at all (such phrases are common text, not evidence of a leak) but counted. Exact deduplication drops every
-document whose normalized text hashes (BLAKE2b, 8 bytes) like one kept before in this preprocessing run.
+Decontamination follows GPT-3 and OLMo: a document is dropped when it shares a normalized n-gram (case-folded,
+ASCII punctuation removed, split at any Unicode space; n = 13 by default) with a benchmark test item (an MMLU
+question with its choices, plain or in the quiz layout "A. ... B. ... C. ... D. ...", or a GSM8K question). An item
+shorter than n words matches only whole; one shorter than MIN_WORDS is not checked at all (such phrases are common
+text, not evidence of a leak) but counted. Exact deduplication drops every document whose normalized text hashes
+(BLAKE2b, 8 bytes) like one kept before in this preprocessing run.
 
 The tokenizer processes examine each piece of text (its hash, the first benchmark item it contains), so the work
 scales with --num-workers; the main process then decides per whole document, in corpus order (`Sieve`), so the
@@ -27,9 +28,25 @@ _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd, so invertible modulo 2^64: w
 _INVERSE = np.uint64(pow(0x9E3779B97F4A7C15, -1, 1 << 64))
 
 
+# Unicode's other spaces (no-break, en/em and the other typographic spaces, ideographic, line and paragraph
+# separators, next line), as UTF-8: each becomes an ASCII space, so "What\u00a0is" is two words as "What is" is.
+_UNICODE_SPACES = tuple(chr(c).encode() for c in (0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F,
+                                                  0x205F, 0x3000))  # fmt: skip
+
+
+def normalized_bytes(text: str) -> bytes:
+    """The text case-folded, as UTF-8, with punctuation and every kind of space turned into ASCII spaces."""
+    data = text.casefold().encode("utf-8", "surrogatepass")
+    if not data.isascii():
+        for space in _UNICODE_SPACES:
+            if space in data:
+                data = data.replace(space, b" ")
+    return data.translate(_PUNCTUATION_TO_SPACE)
+
+
 def normalized_words(text: str) -> list[bytes]:
-    """The words of the text, lowercased, punctuation removed (as UTF-8 bytes)."""
-    return text.lower().encode("utf-8", "surrogatepass").translate(_PUNCTUATION_TO_SPACE).split()
+    """The words of the text, case-folded, punctuation and Unicode spaces removed (as UTF-8 bytes)."""
+    return normalized_bytes(text).split()
 
 
 def document_hash(text: str) -> int:
@@ -138,10 +155,7 @@ class BenchmarkIndex:
         starts, lengths, owners = [], [], []
         # one translate over all items (per call it has a fixed cost that 15,000 short items would pay each)
         joined = "\x00".join(text.replace("\x00", " ") for _, text in items)
-        normalized = (
-            joined.lower().encode("utf-8", "surrogatepass").translate(_PUNCTUATION_TO_SPACE).split(b"\x00")
-            if items else []
-        )  # fmt: skip
+        normalized = normalized_bytes(joined).split(b"\x00") if items else []
         for index, text in enumerate(normalized):
             item_words = text.split()
             if len(item_words) < min(n, MIN_WORDS):
@@ -241,7 +255,11 @@ def benchmark_items(mmlu_dir: str | None, gsm8k_dir: str | None) -> list[tuple[s
     if mmlu_dir:
         for subject in mmlu_layout(mmlu_dir)[1]:
             for index, row in enumerate(load_mmlu_subject(mmlu_dir, subject)["test"]):
-                items.append((f"mmlu/{subject} test {index}", " ".join([row["question"], *row["choices"]])))
+                name = f"mmlu/{subject} test {index}"
+                items.append((name, " ".join([row["question"], *row["choices"]])))
+                # the quiz layout copies usually have ("A. ... B. ... C. ... D. ...", as lm-eval's prompt writes it)
+                quiz = " ".join(f"{letter}. {choice}" for letter, choice in zip("ABCD", row["choices"], strict=True))
+                items.append((name, f"{row['question']} {quiz}"))
     if gsm8k_dir:
         for index, row in enumerate(load_gsm8k(gsm8k_dir)["test"]):
             items.append((f"gsm8k test {index}", row["question"]))

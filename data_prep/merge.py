@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 from common.files import atomic_write_text, sha256_of
-from common.lock import DirectoryLock, LockedError
-from data_prep.format import EXAMPLES_PER_REASON, MANIFEST, shard_name
+from common.lock import LOCK_FILE, DirectoryLock, LockedError
+from data_prep.format import EXAMPLES_PER_REASON, MANIFEST, SHARD_DIR, shard_name
 from data_prep.report import CorpusStats, summary, write_report
 
 
@@ -70,13 +70,16 @@ def merge(directories: list[str], output: str, log=print) -> dict:
         raise MergeError("name the part directories to merge")
     parts = read_parts(directories)
     out = Path(output)
-    if out.exists() and any(out.iterdir()):
-        raise MergeError(f"--output {out} is not empty; choose a new directory")
     try:
         lock = DirectoryLock(out, "merge").acquire()
     except LockedError as error:
         raise MergeError(f"--output {error}") from None
     try:
+        leftovers = [entry for entry in out.iterdir() if entry.name != LOCK_FILE]
+        if leftovers and not unfinished_merge(out):
+            raise MergeError(f"--output {out} is not empty; choose a new directory")
+        for entry in leftovers:  # what a merge that failed or was killed wrote before its manifest: started again
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         shards = []
         for path, manifest in parts:
             for shard in manifest["shards"]:
@@ -91,6 +94,21 @@ def merge(directories: list[str], output: str, log=print) -> dict:
         return merged
     finally:
         lock.release()
+
+
+def unfinished_merge(out: Path) -> bool:
+    """`out` holds only what a merge writes before its manifest (shards, the data report): a merge that failed or was
+    killed, which the same command may start again. Anything else there is somebody's and stays."""
+    if (out / MANIFEST).exists():
+        return False
+    for entry in out.iterdir():
+        if entry.name in (LOCK_FILE, "data_report.md", "data_report.png"):
+            continue
+        if entry.name != SHARD_DIR or not entry.is_dir():
+            return False
+        if any(not shard.name.endswith(".parquet") for shard in entry.iterdir()):
+            return False
+    return True
 
 
 def _place(source: Path, target: Path, sha256: str) -> None:

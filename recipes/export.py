@@ -8,7 +8,9 @@ export reads them tensor by tensor through DeepSpeed's lazy consolidation (`conv
 optimizer files memory-mapped), so memory holds one output shard rather than the model: never the ~280 GB fp32
 copy of a 70B model. It writes sharded safetensors with an index, config.json and generation_config.json with the
 tokenizer's bos/eos/pad ids, the tokenizer, the resolved recipe and `export.json` (source step and run), into a
-staging directory that is renamed into place when complete. `final/` is written by this same function.
+staging directory that is renamed into place when complete. `final/` is written by this same function. Every file
+is checked against the checkpoint's sha256 first, the checkpoint is pinned against rotation while it is read, and
+an output that is, holds or lies inside the run, the checkpoint or the tokenizer is refused, `--overwrite` or not.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.files import atomic_write_text
+from common.lock import FileLock, LockedError
 from recipes.config import ConfigError, PretrainConfig, config_from_dict
 from recipes.training import checkpointing
 
@@ -62,49 +65,113 @@ def export_checkpoint(
     max_shard_size: str = "5GB",
     tokenizer_path: str | None = None,
     overwrite: bool = False,
+    verify: bool = True,
+    run_may_hold_output: bool = False,
 ) -> Path:
-    """Write the Hugging Face model directory of a complete `checkpoint-N` to `output`; returns `output`."""
+    """Write the Hugging Face model directory of a complete `checkpoint-N` to `output`; returns `output`.
+
+    Every file read is first checked against the manifest's sha256 (`verify`; the run's own `final/` skips it: its
+    ranks hashed the checkpoint as they saved it). While reading, the export holds the checkpoint's reader pin, so a
+    live run's rotation keeps it, and an exclusive lock on `output`, so a second export to it is refused. Nothing is
+    published and no staging directory is left when anything fails. `--overwrite` never removes what the export
+    reads: an output that is, holds or lies inside the run directory (`run_may_hold_output`: the run's `final/`),
+    the checkpoint or the tokenizer is refused."""
     checkpoint, output = Path(checkpoint), Path(output)
+    if (checkpoint / "export.json").is_file() and (checkpoint / "config.json").is_file():
+        raise ConfigError(f"{checkpoint} is an exported model directory already (export.json): use it as it is")
     problems = checkpointing.manifest_problems(checkpoint) if checkpoint.is_dir() else [f"{checkpoint} does not exist"]
-    if checkpointing.has_universal(checkpoint):  # the rank shards may have been deleted once converted
+    universal_only = checkpointing.has_universal(checkpoint)
+    if universal_only:  # the rank shards may have been deleted once converted
         problems = [problem for problem in problems if f"{checkpoint / 'pytorch_model'}/" not in problem]
     if problems:
         raise ConfigError(f"cannot export {checkpoint}: {problems[0]}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    config = config_from_dict(checkpointing.read_config(checkpoint), str(checkpoint / checkpointing.RESOLVED_CONFIG))
+    tokenizer_dir = Path(tokenizer_path or config.tokenizer_name_or_path)
+    reads = {"the checkpoint": checkpoint, "the tokenizer": tokenizer_dir}
+    if not run_may_hold_output:
+        reads["the run directory"] = checkpoint.parent
+    check_output(output, overwrite, reads)
+    try:
+        with FileLock(output.parent / f".{output.name}.export-lock", what="another export to this --output"), \
+                FileLock(checkpointing.reader_pin(checkpoint), shared=True):  # fmt: skip
+            if verify:
+                bad = verified_problems(checkpoint, skip_missing_rank_shards=universal_only)
+                if bad:
+                    raise ConfigError(f"cannot export {checkpoint}: {bad[0]}" + (f" (and {len(bad) - 1} more)"
+                                                                                 if bad[1:] else ""))  # fmt: skip
+            return _export(checkpoint, output, config, dtype, max_shard_size, tokenizer_dir)
+    except LockedError as error:
+        raise ConfigError(f"--output {output}: {error}; wait for it to end or choose another --output") from None
+    except OSError as error:  # e.g. a file deleted while read by a process that does not honour the pin
+        raise ConfigError(
+            f"cannot export {checkpoint}: {error.filename or error} ({error.strerror or error})"
+        ) from None
+
+
+def check_output(output: Path, overwrite: bool, reads: dict[str, Path]) -> None:
+    """`output` must not exist (or `overwrite`), and must not be, hold or lie inside anything the export reads. A new
+    directory inside the run directory is fine (an export beside its checkpoints); replacing one there is not."""
+    target = output.resolve()
+    for what, path in reads.items():
+        source = path.resolve()
+        inside = target.is_relative_to(source) and target != source
+        if inside and what == "the run directory" and not (overwrite and output.exists()):
+            continue
+        if target == source or source.is_relative_to(target) or inside:
+            relation = "is" if target == source else "lies inside" if inside else "holds"
+            raise ConfigError(f"--output {output} {relation} {what} ({path}): choose a directory apart from it")
     if output.exists() and not overwrite:
         raise ConfigError(f"--output {output} exists; choose a new directory or pass --overwrite")
-    config = config_from_dict(checkpointing.read_config(checkpoint), str(checkpoint / checkpointing.RESOLVED_CONFIG))
-    from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
 
-    try:
-        tokenizer = load_tokenizer(tokenizer_path or config.tokenizer_name_or_path, "the run's tokenizer (--tokenizer)")
-    except TokenizerLoadError as error:
-        raise ConfigError(str(error)) from None
+
+def verified_problems(checkpoint: Path, skip_missing_rank_shards: bool) -> list[str]:
+    """The manifest's files that are there, re-hashed (a universal-only checkpoint may lack its rank shards)."""
+    if not skip_missing_rank_shards:
+        return checkpointing.verify_checksums(checkpoint)
+    from common.files import sha256_of
+
+    files = checkpointing.read_manifest(checkpoint)["files"]
+    return [f"{checkpoint / name}: sha256 differs from the manifest (the file was changed or damaged)"
+            for name, entry in sorted(files.items())
+            if (checkpoint / name).is_file() and sha256_of(checkpoint / name) != entry["sha256"]]  # fmt: skip
+
+
+def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, max_shard_size: str,
+            tokenizer_dir: Path) -> Path:  # fmt: skip
+    from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
     from recipes.training.model import llama_config, with_token_ids
 
+    try:
+        tokenizer = load_tokenizer(str(tokenizer_dir), "the run's tokenizer (--tokenizer)")
+    except TokenizerLoadError as error:
+        raise ConfigError(str(error)) from None
     model_config = with_token_ids(llama_config(config, len(tokenizer)), tokenizer)
     staging = output.with_name(f".{output.name}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    _write_weights(checkpoint, staging, dtype, max_shard_size, model_config)
-    model_config.dtype = dtype
-    model_config.use_cache = True
-    model_config.save_pretrained(staging)
-    generation_config_for(model_config).save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    checkpointing.write_resolved_config(staging, config.to_dict())
-    source = {
-        "checkpoint": str(checkpoint.resolve()),
-        "step": checkpointing.read_manifest(checkpoint)["step"],
-        "run": str(checkpoint.resolve().parent),
-        "dtype": dtype,
-        "exported": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    atomic_write_text(staging / "export.json", json.dumps(source, indent=2))
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(staging, output)
+    try:
+        _write_weights(checkpoint, staging, dtype, max_shard_size, model_config)
+        model_config.dtype = dtype
+        model_config.use_cache = True
+        model_config.save_pretrained(staging)
+        generation_config_for(model_config).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        checkpointing.write_resolved_config(staging, config.to_dict())
+        source = {
+            "checkpoint": str(checkpoint.resolve()),
+            "step": checkpointing.read_manifest(checkpoint)["step"],
+            "run": str(checkpoint.resolve().parent),
+            "dtype": dtype,
+            "exported": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        atomic_write_text(staging / "export.json", json.dumps(source, indent=2))
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when published
     return output
 
 
@@ -177,7 +244,9 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
     if not trainer.accelerator.is_main_process:
         return
     dtype = "bfloat16" if config.bf16 else "float16" if config.fp16 else "float32"
-    final_dir = export_checkpoint(source, run_dir / "final", dtype=dtype, overwrite=True)
+    # the ranks hashed the checkpoint as they saved it: no second read of ~1 TB at 70B before final/
+    final_dir = export_checkpoint(source, run_dir / "final", dtype=dtype, overwrite=True, verify=False,
+                                  run_may_hold_output=True)  # fmt: skip
     summary = dict(
         steps=state.step, stop_reason=str(stop), best_eval_loss=state.best_eval_loss,
         best_checkpoint=state.best_checkpoint, wall_seconds=time.perf_counter() - started,

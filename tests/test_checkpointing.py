@@ -120,3 +120,19 @@ def test_every_file_is_hashed_by_exactly_one_rank(tmp_path):
         "random_states_1.pkl",
     }
     assert len(rank0) + len(rank1) == 6 and not set(rank0) & set(rank1)
+
+
+def test_rotation_keeps_a_checkpoint_an_export_is_reading_and_deletes_it_after(tmp_path):
+    from types import SimpleNamespace
+
+    from common.lock import FileLock
+    from recipes.training.checkpointing import reader_pin, rotate_checkpoints
+
+    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+    for step in (100, 200, 300):
+        make_checkpoint(tmp_path, step)
+    with FileLock(reader_pin(tmp_path / "checkpoint-100"), shared=True):
+        assert rotate_checkpoints(accelerator, tmp_path, 2, None) == []
+        assert (tmp_path / "checkpoint-100" / "manifest.json").exists(), "kept while it is read"
+    assert rotate_checkpoints(accelerator, tmp_path, 2, None) == [tmp_path / "checkpoint-100"]
+    assert not (tmp_path / "checkpoint-100").exists() and not reader_pin(tmp_path / "checkpoint-100").exists()

@@ -230,3 +230,15 @@ def test_an_unknown_key_gets_the_nearest_one_and_where_it_came_from(tmp_path):
         load_config(recipe)
     with pytest.raises(ConfigError, match=r"unknown key --zzz on the command line: `recipes/pretrain.py --help`"):
         load_config(REPO / "recipes/configs/tiny_cpu.yaml", ["--zzz", "1"])
+
+
+def test_null_for_a_list_key_means_an_empty_list():
+    """`--validation_files null` means no validation, as `[]` does (it used to be refused as "expected a list, got
+    None", which told the user nothing they could do)."""
+    from recipes.config import ConfigError, load_config
+
+    config = load_config(REPO / "recipes/configs/tiny_cpu.yaml", ["--validation_files", "null", "--eval_tasks", "~",
+                                                                  "--early_stopping_patience", "null"])  # fmt: skip
+    assert config.validation_files == [] and config.eval_tasks == []
+    with pytest.raises(ConfigError, match="early_stopping_patience needs validation_files"):
+        load_config(REPO / "recipes/configs/tiny_cpu.yaml", ["--validation_files", "null"])

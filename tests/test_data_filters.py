@@ -41,13 +41,32 @@ def benchmarks(tmp_path_factory):
 
 def test_normalization_and_matching_ignore_case_punctuation_and_spacing(benchmarks):
     items = benchmark_items(*map(str, benchmarks))
-    assert [name for name, _ in items] == ["mmlu/biology test 0", "gsm8k test 0"]
+    assert [name for name, _ in items] == ["mmlu/biology test 0", "mmlu/biology test 0", "gsm8k test 0"]
     index = BenchmarkIndex(items, n=13)
     shouted = "NOTES:  which of the following, BEST describes the role of the mitochondria in\n eukaryotic cells!"
     assert index.match(normalized_words(shouted)) == "mmlu/biology test 0"
     twelve = " ".join(GSM8K_QUESTION.split()[:12])
     assert index.match(normalized_words(f"intro {twelve} outro")) is None, "12 words of 13 is not a match"
     assert BenchmarkIndex(items, n=8).match(normalized_words(twelve)) == "gsm8k test 0"
+
+
+@pytest.mark.parametrize("space", ["\u00a0", "\u2009", "\u202f", "\u3000", "\u2028"])
+def test_unicode_spaces_and_case_are_normalized_as_ascii_ones_are(benchmarks, space):
+    index = BenchmarkIndex(benchmark_items(*map(str, benchmarks)), n=13)
+    copy = GSM8K_QUESTION.replace(" ", space).replace("muffins", "MUFFINS")
+    assert index.match(normalized_words(f"Homework.{space}{copy}")) == "gsm8k test 0"
+    assert normalized_words(f"Straße{space}STRASSE") == [b"strasse", b"strasse"]
+
+
+def test_a_short_mmlu_item_in_the_quiz_layout_is_found(tmp_path):
+    for split in ("test", "dev"):
+        (tmp_path / "mmlu" / split).mkdir(parents=True)
+        with open(tmp_path / "mmlu" / split / f"math_{split}.csv", "w", newline="") as handle:
+            csv.writer(handle).writerow(["What is 12 + 5?", "17", "14", "16", "15", "A"])
+    index = BenchmarkIndex(benchmark_items(str(tmp_path / "mmlu"), None), n=13)
+    quiz = "Practice quiz\nWhat is 12 + 5?\nA. 17\nB. 14\nC. 16\nD. 15\nAnswer: A"
+    assert index.match(normalized_words(quiz)) == "mmlu/math test 0"
+    assert index.match(normalized_words("What is 12 + 5?\nA. 17\nB. 14\nC. 16\nD. 16")) is None, "a choice differs"
 
 
 def test_an_item_shorter_than_n_words_matches_only_whole():

@@ -1,14 +1,18 @@
 """MMLU and GSM8K inside a real 2-process ZeRO-3 run: it finishes (no rank hangs in generation), writes
-lm-eval's results per step, logs the scores, and leaves training exactly as it would have been without them."""
+lm-eval's results per step, logs the scores, and leaves training exactly as it would have been without them. The same
+run is scraped by a real Prometheus (where one is installed): every Grafana panel's query finds its series, and every
+alert rule evaluates without error on them."""
 
 import json
+import time
 
 import numpy as np
 import pytest
 
 from eval import fixtures
 from recipes.telemetry.metrics import read_metrics
-from tests.conftest import REPO, launch, tiny_overrides
+from tests import prometheus_server
+from tests.conftest import REPO, free_port, launch, launch_command, start, tiny_overrides
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,9 +22,47 @@ def run(corpus, output_dir, data, benchmarks: bool):
     if benchmarks:
         extra |= dict(eval_tasks="[mmlu, gsm8k]", eval_benchmarks_every=2, eval_limit=3, eval_max_gen_toks=12,
                       mmlu_dir=data["mmlu_csv"], gsm8k_dir=data["gsm8k_parquet"], eval_log_samples="true")  # fmt: skip
-    result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, output_dir, **extra))
+    args = tiny_overrides(corpus, output_dir, **extra)
+    if benchmarks and prometheus_server.why_not() is None:
+        return scraped_run(args, output_dir)
+    result = launch(REPO / "recipes/pretrain.py", args)
     assert result.returncode == 0, result.stderr[-4000:]
     return result, read_metrics(output_dir / "metrics.jsonl")
+
+
+def scraped_run(args, output_dir):
+    """The run, with a real Prometheus scraping its endpoint meanwhile; checks the dashboard's queries and the alert
+    rules against what it scraped."""
+    import subprocess
+
+    import torch
+
+    port = free_port()
+    queries, seen, rules = prometheus_server.panel_queries(), set(), []
+    for name in (
+        "pretrain_step",
+        "pretrain_loss",
+        "pretrain_tokens_per_second",
+        "pretrain_planned_tokens_per_second",
+        "up",
+    ):  # what the alert rules read
+        queries[f"alert input {name}"] = f'{name}{{job="pretrain"}}'  # fmt: skip
+    with prometheus_server.Prometheus(output_dir.parent / "prometheus", f"127.0.0.1:{port}") as server:
+        process = start(launch_command(REPO / "recipes/pretrain.py", [*args, "--prometheus_port", str(port)]),
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        while process.poll() is None:
+            seen |= {name for name, expr in queries.items() if name not in seen and server.series(expr)}
+            rules = server.rules()
+            time.sleep(0.5)
+        stdout, stderr = process.communicate()
+    assert process.returncode == 0, stderr[-4000:]
+    gpu_only = {name for name, expr in queries.items() if "gpu_memory" in expr and not torch.cuda.is_available()}
+    assert set(queries) - gpu_only <= seen, f"panels whose query found no series: {set(queries) - gpu_only - seen}"
+    assert {rule["name"] for rule in rules} == {"PretrainNoOptimizerStep", "PretrainLossNotFinite",
+                                                "PretrainThroughputBelowPlan", "PretrainEndpointDown"}  # fmt: skip
+    for rule in rules:
+        assert rule["health"] == "ok" and not rule.get("lastError"), rule
+    return subprocess.CompletedProcess(args, 0, stdout, stderr), read_metrics(output_dir / "metrics.jsonl")
 
 
 def test_benchmarks_in_the_loop_under_zero3(tmp_path, corpus):

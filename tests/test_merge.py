@@ -103,3 +103,12 @@ def test_a_missing_mismatched_or_damaged_part_is_one_line(parted, tmp_path, caps
     error = capsys.readouterr().err
     assert code == 2 and str(shard) in error and "sha256" in error and len(error.strip().splitlines()) == 1
     assert not (tmp_path / "d" / "manifest.json").exists(), "no manifest: the merged directory is not complete"
+    # the failed merge left part-0's shards in d/: the same command with the good part-1 starts it again
+    assert any((tmp_path / "d" / "data").iterdir())
+    assert merge_main([str(root / "part-0"), str(root / "part-1"), str(root / "part-2"), "--output",
+                       str(tmp_path / "d")]) == 0  # fmt: skip
+    assert (tmp_path / "d" / "manifest.json").exists()
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "notes.txt").write_text("mine")
+    assert merge_main([str(root / f"part-{i}") for i in range(3)] + ["--output", str(tmp_path / "e")]) == 2
+    assert "is not empty" in capsys.readouterr().err and (tmp_path / "e" / "notes.txt").read_text() == "mine"

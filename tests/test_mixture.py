@@ -111,6 +111,36 @@ def test_mixture_config_rules(two_sources):
     with pytest.raises(ConfigError, match="mixture_exhausted"):
         config_from_dict({**base, "train_mixture": mixture, "mixture_exhausted": "loop"})
     assert config_from_dict({**base, "train_mixture": mixture}).train_mixture[1]["weight"] == 0.3
+    twice = [mixture[0], {"path": str(two_sources[0]) + "/", "weight": 0.3}]
+    with pytest.raises(ConfigError, match=r"train_mixture\[1\]\.path .* is train_mixture\[0\]'s directory again"):
+        config_from_dict({**base, "train_mixture": twice})
+
+
+def test_a_copy_of_a_source_under_another_path_is_refused(two_sources, tmp_path, corpus):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from recipes.training.train_data import open_mixture
+
+    copy = tmp_path / "copy"
+    shutil.copytree(two_sources[0], copy)
+    config = mixture_config([two_sources[0], copy])
+    config.tokenizer_name_or_path = str(corpus["tokenizer"])
+    with pytest.raises(ConfigError, match=r"train_mixture\[1\]\.path .* holds the same data as train_mixture\[0\]"):
+        open_mixture(config, AutoTokenizer.from_pretrained(corpus["tokenizer"]), 1)
+
+
+def test_equal_blends_are_equal_on_resume_and_a_changed_blend_is_shown_whole():
+    from recipes.training.resume import identity_changes
+
+    def identity(*weights):
+        return {"train_data": [{"preprocessed_manifest_sha256": f"{i}" * 64, "weight": w, "exhausted": "repeat"}
+                               for i, w in enumerate(weights)]}  # fmt: skip
+
+    assert identity_changes(identity(0.7, 0.3), identity(7, 3)) == []
+    (change,) = identity_changes(identity(0.7, 0.3), identity(0.6, 0.4))
+    assert '"weight": "7/10"' in change and '"weight": "3/5"' in change and "..." not in change
 
 
 @pytest.mark.multiprocess

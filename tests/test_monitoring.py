@@ -2,6 +2,8 @@ import json
 import re
 import urllib.request
 
+import pytest
+
 from recipes.telemetry import metrics
 from recipes.telemetry.monitoring import PrometheusExporter, exported_names
 from tests.conftest import REPO, free_port
@@ -75,3 +77,16 @@ def test_run_report(tmp_path):
     assert "train loss: 5.0000 (step 10) -> 4.0000 (step 20)" in report
     assert "best eval loss: 4.2000 at step 20" in report
     assert "tokens consumed: 2,000" in report and "max_steps" in report
+
+
+def test_the_alert_rules_pass_promtool():
+    import shutil
+    import subprocess
+
+    from tests.conftest import REPO
+
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool not installed; .ci/run installs Debian's prometheus")
+    checked = subprocess.run(["promtool", "check", "rules", str(REPO / "monitoring/alerts.yml")], capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    assert checked.returncode == 0 and "SUCCESS: 4 rules found" in checked.stdout, checked.stdout + checked.stderr

@@ -109,3 +109,47 @@ def test_a_directory_made_for_another_row_length_is_refused(corpus, tmp_path):
     preprocess(str(corpus["tokenizer"]), [str(corpus["validation"])], str(packed), 128, 1)
     said = preflight_refusal(corpus, tmp_path / "out", train_files=packed, max_seq_length=64)
     assert "holds rows of 128 tokens, max_seq_length is 64" in said
+
+
+def test_trackers_that_would_fail_after_the_model_are_refused_before_it(tmp_path, monkeypatch):
+    from recipes.telemetry.trackers import check_trackers
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    with pytest.raises(ConfigError, match=r"report_to wandb: no W&B API key .*WANDB_MODE=offline"):
+        check_trackers(["tensorboard", "wandb"], {})
+    check_trackers(["wandb"], {"WANDB_MODE": "offline"})
+    with socket.socket() as closed:  # a port nothing listens on: the connection is refused at once
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with pytest.raises(ConfigError, match=r"report_to wandb: http://127\.0\.0\.1:\d+ cannot be reached .*offline"):
+        check_trackers(["wandb"], {"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": url})
+    with pytest.raises(ConfigError, match=r"report_to mlflow: MLFLOW_TRACKING_URI .* cannot be reached"):
+        check_trackers(["mlflow"], {"MLFLOW_TRACKING_URI": url})
+    check_trackers(["mlflow"], {})  # a local file store needs nothing
+
+
+def test_wandb_keeps_its_own_directory_when_one_is_set(tmp_path, monkeypatch):
+    import accelerate.tracking
+
+    from recipes.telemetry.trackers import trackers_for
+
+    made = []
+    monkeypatch.setattr(accelerate.tracking, "WandBTracker", lambda *args, **kwargs: made.append(kwargs))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_here"))
+    trackers_for(["wandb"], tmp_path / "run")
+    monkeypatch.delenv("WANDB_DIR")
+    trackers_for(["wandb"], tmp_path / "run")
+    assert [kwargs["dir"] for kwargs in made] == [str(tmp_path / "wandb_here"), str(tmp_path / "run")]
+
+
+def test_the_metrics_endpoint_listens_on_this_host_only_unless_told():
+    from recipes.telemetry.monitoring import PrometheusExporter
+
+    exporter = PrometheusExporter(0)
+    try:
+        assert exporter._server.server_address[0] == "127.0.0.1"
+    finally:
+        exporter._server.shutdown()
+    assert load_config(TINY_RECIPE, ["--metrics_host", "0.0.0.0"]).metrics_host == "0.0.0.0"
+    script = (REPO / "scripts/slurm/run.sh").read_text()
+    assert "--metrics_host 0.0.0.0" in script, "the Slurm scripts serve it to a Prometheus on another machine"

@@ -19,11 +19,12 @@ ALLOWED = {
     "benchmarks": {"common", "data_prep", "eval", "recipes", "benchmarks"},
 }
 # Inside `recipes`, by role: the typed config and the model's arithmetic at the bottom, the planner and the run's
-# telemetry on them, the training loop on those, and the commands (pretrain, plan, export, ...) on top.
+# telemetry on them (telemetry on the config only), the training loop on those, and the commands (pretrain, plan,
+# export, ...) on top.
 RECIPE_LAYERS = {
     "recipes.config": {"recipes.config"},
     "recipes.architecture": set(),
-    "recipes.telemetry": {"recipes.telemetry"},
+    "recipes.telemetry": {"recipes.config", "recipes.telemetry"},
     "recipes.planning": {"recipes.config", "recipes.architecture", "recipes.planning"},
     "recipes.training": {"recipes.config", "recipes.architecture", "recipes.planning", "recipes.telemetry",
                          "recipes.training"},

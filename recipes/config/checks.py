@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from recipes.config.fields import (
@@ -71,6 +72,15 @@ def _validate_training_data(config: PretrainConfig) -> None:
         if set(entry) != {"path", "weight"} or not isinstance(entry["path"], str):
             raise ConfigError(f"train_mixture[{index}]: expected {{path: DIR, weight: w}}, got keys {sorted(entry)}")
         entry["weight"] = coerce(f"train_mixture[{index}].weight", entry["weight"], float)
+    seen: dict[Path, int] = {}
+    for index, entry in enumerate(config.train_mixture):
+        where = Path(str(entry["path"])).resolve()
+        if where in seen:
+            raise ConfigError(
+                f"train_mixture[{index}].path {entry['path']} is train_mixture[{seen[where]}]'s directory again: a "
+                "source listed twice would have its share split without saying so; list it once with the summed weight"
+            )
+        seen[where] = index
     if config.num_train_epochs != 1:
         raise ConfigError(
             "train_mixture: num_train_epochs must be 1 (mixture_exhausted says what a source does at its end)"

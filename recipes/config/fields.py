@@ -322,6 +322,15 @@ class PretrainConfig:
             )
         },
     )
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": (
+                "Address the metrics endpoint binds: this host only by default; 0.0.0.0 (what the Slurm scripts set) "
+                "lets a Prometheus on another machine scrape it."
+            )
+        },
+    )
     preflight_strict: bool = field(
         default=True,
         metadata={"help": "Stop at start-up when the plan says the run does not fit in GPU or host memory."},
@@ -358,6 +367,8 @@ def coerce(key: str, value: Any, annotation: Any) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return coerce(key, value, inner)
     if origin is list:
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return []  # `validation_files: null` means none, as [] does (a list key that can be unset is Optional)
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
         if not isinstance(value, list):

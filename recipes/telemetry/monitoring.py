@@ -35,6 +35,7 @@ RUN_SERIES = {
     "num_tokens": Series("tokens", "counter", "tokens consumed by all ranks since the start of the run"),
     "eval_loss": Series("eval_loss", "gauge", "validation loss"),
     "last_checkpoint_step": Series("last_checkpoint_step", "gauge", "step of the newest complete checkpoint"),
+    "planned_tokens_per_s": Series("planned_tokens_per_second", "gauge", "tokens/s the planner expects of this launch"),
 }
 BENCHMARK_SERIES = Series("benchmark_score", "gauge", "benchmark score by task and metric")
 RANK_SERIES = {
@@ -102,7 +103,7 @@ def _is_number(value) -> bool:
 class PrometheusExporter:
     """`/metrics` on `port` from a registry of its own (no Python process metrics mixed in)."""
 
-    def __init__(self, port: int, node: int = 0, ranks: list[int] | None = None, host: str = "0.0.0.0"):
+    def __init__(self, port: int, node: int = 0, ranks: list[int] | None = None, host: str = "127.0.0.1"):
         from prometheus_client import CollectorRegistry, start_http_server
 
         self.collector = RunCollector(node, ranks if ranks is not None else [0])

@@ -4,8 +4,11 @@ numbers, and the resolved recipe as the run's configuration.
 
 A relaunch continues the same tracker run: the wandb run id and the MLflow run id are kept in
 `output_dir/trackers.json`. wandb takes its project from WANDB_PROJECT, its mode from WANDB_MODE (offline works on
-clusters without the internet; `wandb sync` later). MLflow writes to MLFLOW_TRACKING_URI, or, when it is unset, to a
-local file store in `output_dir/mlruns`.
+clusters without the internet; `wandb sync` later), its directory from WANDB_DIR (else the run's output_dir). MLflow
+writes to MLFLOW_TRACKING_URI, or, when it is unset, to a local file store in `output_dir/mlruns`.
+
+Preflight checks them before the model is built (`check_trackers`): the packages are installed, W&B online has an
+API key and reaches its server, an MLflow server is reachable; each failure is one line naming the way out.
 """
 
 from __future__ import annotations
@@ -43,12 +46,69 @@ def trackers_for(report_to: list[str], output_dir: str | Path) -> list:
                 name=output_dir.name,
                 id=run_id,
                 resume="allow",
-                dir=str(output_dir),
+                dir=os.environ.get("WANDB_DIR") or str(output_dir),
             )  # fmt: skip
         )
     if "mlflow" in report_to:
         trackers.append(MLflowTracker(PROJECT, run_id=ids.get("mlflow"), run_name=output_dir.name))
     return trackers
+
+
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+REACH_TIMEOUT_S = 5.0
+
+
+def check_trackers(report_to: list[str], environ: dict[str, str] | None = None) -> None:
+    """Raise ConfigError (one line, naming the way out) when a tracker would fail once the model is built: its
+    package missing, W&B online without an API key or without a route to its server, an MLflow server unreachable."""
+    import importlib.util
+    from urllib.parse import urlparse
+
+    from recipes.config import ConfigError
+
+    environ = os.environ if environ is None else environ
+    for name in report_to:
+        if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
+            raise ConfigError(f"report_to {name}: the {PACKAGES[name]} package is not installed "
+                              "(pip install -e '.[trackers]')")  # fmt: skip
+    if "wandb" in report_to and environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
+        offline = "WANDB_MODE=offline logs to disk and `wandb sync` uploads it later"
+        if not environ.get("WANDB_API_KEY") and not _netrc_has(urlparse(_wandb_url(environ)).hostname):
+            raise ConfigError(f"report_to wandb: no W&B API key (WANDB_API_KEY, or `wandb login`); {offline}")
+        if not reachable(_wandb_url(environ)):
+            raise ConfigError(f"report_to wandb: {_wandb_url(environ)} cannot be reached from here in "
+                              f"{REACH_TIMEOUT_S:g} s; {offline}")  # fmt: skip
+    uri = environ.get("MLFLOW_TRACKING_URI", "")
+    if "mlflow" in report_to and uri.startswith(("http://", "https://")) and not reachable(uri):
+        raise ConfigError(f"report_to mlflow: MLFLOW_TRACKING_URI {uri} cannot be reached from here in "
+                          f"{REACH_TIMEOUT_S:g} s; unset it to log to output_dir/mlruns")  # fmt: skip
+
+
+def _wandb_url(environ) -> str:
+    return environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+
+
+def _netrc_has(host: str | None) -> bool:
+    import netrc
+
+    try:
+        return bool(host) and netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def reachable(url: str) -> bool:
+    """A TCP connection to the URL's host and port opens within REACH_TIMEOUT_S."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=REACH_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
 
 
 def start(accelerator, config_dict: dict[str, Any], output_dir: str | Path) -> None:

@@ -14,6 +14,7 @@ between barriers.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,7 +26,9 @@ import yaml
 
 from common.collectives import ranks_where
 from common.files import atomic_write_text, sha256_of
+from common.lock import held_by_someone
 
+logger = logging.getLogger("pretrain")
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 RANK_FILE_PATTERN = re.compile(r"(?:rank_|random_states_)(\d+)")
 MANIFEST = "manifest.json"
@@ -232,8 +235,15 @@ def _publish(accelerator, staging: Path, final: Path, step: int) -> Path:
     return final
 
 
+def reader_pin(checkpoint: Path) -> Path:
+    """The file a reader of `checkpoint` (an export) holds a shared flock on; rotation leaves a held one alone. Beside
+    the checkpoint, not in it: the checkpoint's files are the manifest's."""
+    return checkpoint.parent / f".{checkpoint.name}.readers"
+
+
 def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: int | None, best: Path | None):
-    """Delete the oldest complete checkpoints beyond the limit; incomplete leftovers of killed saves too."""
+    """Delete the oldest complete checkpoints beyond the limit, except one being read (an export holds its pin: it
+    goes at a later rotation); incomplete leftovers of killed saves too."""
     output_dir = Path(output_dir)
     doomed: list[Path] = []
     # Only the main process scans: another rank listing the directory while it is being deleted
@@ -241,8 +251,13 @@ def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: in
     if accelerator.is_main_process:
         complete = [p for p in checkpoint_dirs(output_dir) if not manifest_problems(p)]
         doomed = checkpoints_to_delete(complete, save_total_limit, best)
-        for path in doomed:
+        for path in list(doomed):
+            if held_by_someone(reader_pin(path)):
+                logger.info("rotation: keeping %s for now, an export is reading it", path.name)
+                doomed.remove(path)
+                continue
             shutil.rmtree(path, ignore_errors=True)
+            reader_pin(path).unlink(missing_ok=True)
         newest = complete[-1] if complete else None
         for leftover in output_dir.glob(".checkpoint-*.tmp"):
             if newest is None or leftover.name != f".{newest.name}.tmp":

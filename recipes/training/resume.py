@@ -91,7 +91,9 @@ def saved_identity(path: Path, tokenizer) -> dict[str, Any]:
 
 
 def identity_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Each differing value, named (`model_shape.num_hidden_layers: 4 -> 2`)."""
+    """Each differing value, named (`model_shape.num_hidden_layers: 4 -> 2`). Mixture weights are compared as the
+    shares they blend to ([7, 3] is [0.7, 0.3]), and a mixture is shown whole."""
+    saved, current = as_shares(saved), as_shares(current)
     changes = []
     for key, meaning in RUN_DEFINING.items():
         if key not in saved or saved[key] == current[key]:
@@ -102,13 +104,26 @@ def identity_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str
                 if before != after:
                     changes.append(f"{key}.{inner}: {_short(before)} -> {_short(after)} ({meaning})")
         else:
-            changes.append(f"{key}: {_short(saved[key])} -> {_short(current[key])} ({meaning})")
+            limit = None if key == "train_data" else 80
+            changes.append(f"{key}: {_short(saved[key], limit)} -> {_short(current[key], limit)} ({meaning})")
     return changes
 
 
-def _short(value: Any) -> str:
+def as_shares(identity: dict[str, Any]) -> dict[str, Any]:
+    """`identity` with a mixture's weights replaced by their exact shares (`"7/10"`); other values as they are."""
+    sources = identity.get("train_data")
+    if not isinstance(sources, list) or not sources or not all("weight" in source for source in sources):
+        return identity
+    from data_prep.mixture import exact_weights
+
+    shares = exact_weights([float(source["weight"]) for source in sources])
+    return {**identity, "train_data": [{**source, "weight": str(share)} for source, share in
+                                       zip(sources, shares, strict=True)]}  # fmt: skip
+
+
+def _short(value: Any, limit: int | None = 80) -> str:
     text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 def choose_checkpoint(config: PretrainConfig, accelerator) -> Path | None:

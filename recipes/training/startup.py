@@ -22,6 +22,7 @@ from recipes.config import ConfigError, PretrainConfig, deepspeed, validate_agai
 from recipes.planning.hardware import live_hardware
 from recipes.planning.plan import make_plan, plan_predictions
 from recipes.planning.report import format_plan
+from recipes.telemetry.trackers import check_trackers
 from recipes.training import attention, checkpointing
 from recipes.training.model import detect_attn_implementation, llama_config
 from recipes.training.resume import run_identity
@@ -165,8 +166,11 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
             + "\nChange the recipe or DeepSpeed config, or set preflight_strict: false to try anyway."
         )
     if config.prometheus_port is not None:  # every node's local rank 0 serves it
-        port = config.prometheus_port
-        on_every_rank(lambda: accelerator.is_local_main_process and check_port_free(port), catch=(ConfigError,))
+        port, host = config.prometheus_port, config.metrics_host
+        on_every_rank(lambda: accelerator.is_local_main_process and check_port_free(port, host), catch=(ConfigError,))
+    if config.report_to and config.report_to != ["none"]:  # the trackers start on the main process, after the model
+        report_to = config.report_to
+        on_every_rank(lambda: accelerator.is_main_process and check_trackers(report_to), catch=(ConfigError,))
     identity = run_identity(config, model_config, tokenizer, accelerator.num_processes)
     return RunInputs(
         tokenizer,
@@ -180,17 +184,18 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     )
 
 
-def check_port_free(port: int) -> None:
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
     """The metrics port can be bound here: a busy port fails now, not after a 70B checkpoint is restored."""
     import socket
 
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(("0.0.0.0", port))
+            probe.bind((host, port))
         except OSError as error:
-            host = socket.gethostname()
-            message = f"prometheus_port {port} cannot be served on {host} ({error.strerror}): choose a free port"
+            where = socket.gethostname()
+            message = (f"prometheus_port {port} cannot be served on {where} at {host} ({error.strerror}): choose a "
+                       "free port, or a metrics_host this machine has")  # fmt: skip
             raise ConfigError(message) from None
 
 

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from common.files import sha256_of
 from common.process import die_with_parent
+from data_prep.format import MANIFEST as DATA_MANIFEST
 from data_prep.format import is_preprocessed
 from data_prep.packed_dataset import GlobalBatchSampler, MixedRows, PackedRows
 from data_prep.readers import resolve_sources
@@ -63,13 +65,20 @@ def open_train_source(config: PretrainConfig, tokenizer, world: int) -> PackedRo
 
 
 def open_mixture(config: PretrainConfig, tokenizer, world: int) -> MixedRows:
-    sources = []
+    sources, by_content = [], {}
     for index, entry in enumerate(config.train_mixture):
         if not is_preprocessed(entry["path"]):
             raise ConfigError(
                 f"train_mixture[{index}].path {entry['path']}: not a preprocessed directory (no manifest.json); "
                 "mixtures read outputs of python -m data_prep.preprocess"
             )
+        content = sha256_of(Path(entry["path"]) / DATA_MANIFEST)
+        if content in by_content:
+            raise ConfigError(
+                f"train_mixture[{index}].path {entry['path']} holds the same data as train_mixture"
+                f"[{by_content[content]}] (identical manifest.json): list the data once with the summed weight"
+            )
+        by_content[content] = index
         rows = PackedRows(entry["path"])
         rows.check_matches(tokenizer, config.tokenizer_name_or_path, config.max_seq_length, f"train_mixture[{index}]")
         sources.append(rows)
@@ -96,7 +105,7 @@ STALL_AFTER_ROWS_ENV = "PRETRAIN_TEST_STALL_WORKER_AFTER_ROWS"
 
 
 class DataStallError(RuntimeError):
-    """The dataloader workers produced no batch within hang_timeout_s."""
+    """The dataloader workers produced no batch within half of hang_timeout_s."""
 
 
 def init_worker(worker_id: int) -> None:
@@ -122,7 +131,8 @@ class _StallAfter(IterableDataset):
 def build_loader(source: PackedRows | MixedRows | list[str], config: PretrainConfig, tokenizer, rank: int, world: int):
     pin_memory = config.dataloader_pin_memory and torch.cuda.is_available()
     workers = config.dataloader_num_workers
-    timeout_s = config.hang_timeout_s if workers and config.hang_timeout_s else 0
+    # half the hang timeout: a stuck data source is named as such (exit 5) before the watchdog's generic hang (exit 1)
+    timeout_s = config.hang_timeout_s / 2 if workers and config.hang_timeout_s else 0
     common = dict(num_workers=workers, pin_memory=pin_memory, worker_init_fn=init_worker, timeout=timeout_s)
     if isinstance(source, (PackedRows, MixedRows)):
         micro, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
@@ -184,7 +194,7 @@ class TrainData:
                     raise
                 raise DataStallError(
                     f"rank {self.rank}: the dataloader workers produced no batch in {self.loader.timeout:.0f} s "
-                    "(hang_timeout_s); the data source is stuck (a hung filesystem?)"
+                    "(half of hang_timeout_s); the data source is stuck (a hung filesystem?)"
                 ) from None
             except StopIteration:
                 if self.epoch + 1 >= self.num_epochs:

@@ -176,7 +176,7 @@ class Trainer:
             )
 
 
-def metrics_writer(config: PretrainConfig, accelerator) -> MetricsWriter:
+def metrics_writer(config: PretrainConfig, accelerator, planned_tokens_per_s: float | None = None) -> MetricsWriter:
     """metrics.jsonl and the trackers on the main process (trackers started with the resolved recipe), and a
     Prometheus exporter on every node's local rank 0 for that node's ranks."""
     from recipes.telemetry import trackers
@@ -188,7 +188,10 @@ def metrics_writer(config: PretrainConfig, accelerator) -> MetricsWriter:
 
         per_node = local_world_size()
         node = accelerator.process_index // per_node
-        exporter = PrometheusExporter(config.prometheus_port, node, list(range(node * per_node, (node + 1) * per_node)))
+        ranks = list(range(node * per_node, (node + 1) * per_node))
+        exporter = PrometheusExporter(config.prometheus_port, node, ranks, host=config.metrics_host)
+        if planned_tokens_per_s:  # what the throughput alert compares with (monitoring/alerts.yml)
+            exporter.update({"planned_tokens_per_s": planned_tokens_per_s})
     uses_trackers = accelerator.is_main_process and bool(accelerator.trackers)
     return MetricsWriter(
         config.output_dir, accelerator.is_main_process, exporter, accelerator if uses_trackers else None
@@ -220,7 +223,7 @@ def build_trainer(config: PretrainConfig, launch: Launch) -> Trainer:
     )  # fmt: skip
     trainer = Trainer(
         config, accelerator, model, optimizer, data=launch.data, checkpointer=checkpointer, signals=launch.signals,
-        metrics=metrics_writer(config, accelerator), state=state,
+        metrics=metrics_writer(config, accelerator, inputs.predictions.get("tokens_per_s")), state=state,
         callbacks=callbacks, masking=masking, num_parameters=num_params,
     )  # fmt: skip
     if launch.resume_from:

@@ -35,7 +35,7 @@ trap save_and_requeue USR1
 # '{min_lr: 0}'` stays one argument). SLURM_NODEID is expanded by each node's task, hence the single quotes.
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c '
   exec accelerate launch --config_file "$1" --machine_rank "$SLURM_NODEID" --main_process_ip "$2" \
-    --main_process_port "$3" recipes/pretrain.py --config "$4" --resume auto "${@:5}"
+    --main_process_port "$3" recipes/pretrain.py --config "$4" --resume auto --metrics_host 0.0.0.0 "${@:5}"
 ' run.sh "$accelerate_config" "$head_ip" "$port" "$recipe" "$@" &
 training_pid=$!
 wait "$training_pid"

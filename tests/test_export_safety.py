@@ -1,0 +1,91 @@
+"""`python -m recipes.export` against what real runs do to it: a damaged checkpoint, an output that holds what it
+reads, two exports at once, a failure half way. Each case ends in one line, exit code 2, and nothing lost or left."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from common.lock import FileLock
+from recipes.config import ConfigError
+from recipes.export import export_checkpoint
+from recipes.training.checkpointing import manifest_problems, verify_checksums
+from tests.conftest import LAUNCH_ENV, REPO
+
+pytestmark = pytest.mark.multiprocess  # they read the session's trained run
+
+
+@pytest.fixture
+def run(tmp_path, trained_run):
+    """A copy of the session's run, its newest checkpoint and its tokenizer's directory."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained_run["dir"], copy, ignore=shutil.ignore_patterns("final", "tensorboard"))
+    return copy, copy / "checkpoint-40", trained_run["corpus"]["tokenizer"]
+
+
+def export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recipes.export", *map(str, args)], cwd=REPO, env=LAUNCH_ENV,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def leftovers(directory) -> list[str]:
+    return sorted(p.name for p in directory.glob(".*.tmp"))
+
+
+def test_a_damaged_shard_is_named_and_nothing_is_written(run, tmp_path):
+    _, checkpoint, _ = run
+    shard = next((checkpoint / "pytorch_model").glob("*optim_states.pt"))
+    data = bytearray(shard.read_bytes())
+    data[4096:4104] = bytes(255 - b for b in data[4096:4104])
+    shard.write_bytes(bytes(data))
+    result = export(checkpoint, "--output", tmp_path / "model")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: cannot export {checkpoint}: {shard}: sha256 differs from the manifest " \
+                                    "(the file was changed or damaged)"  # fmt: skip
+    assert not (tmp_path / "model").exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["run", "parent", "checkpoint", "inside_checkpoint", "tokenizer"])
+def test_overwrite_never_removes_what_the_export_reads(run, where):
+    run_dir, checkpoint, tokenizer = run
+    output = {"run": run_dir, "parent": run_dir.parent, "checkpoint": checkpoint,
+              "inside_checkpoint": checkpoint / "pytorch_model", "tokenizer": tokenizer}[where]  # fmt: skip
+    result = export(checkpoint, "--output", output, "--overwrite", "--tokenizer", tokenizer)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert (
+        result.stderr.startswith(f"error: --output {output} ") and "choose a directory apart from it" in result.stderr
+    )
+    assert manifest_problems(checkpoint) == [] and verify_checksums(checkpoint) == []
+    assert (tokenizer / "tokenizer.json").exists()
+
+
+def test_a_second_export_to_the_same_output_is_refused(run, tmp_path):
+    _, checkpoint, _ = run
+    output = tmp_path / "model"
+    with FileLock(tmp_path / ".model.export-lock", what="another export to this --output"):
+        result = export(checkpoint, "--output", output)
+    assert result.returncode == 2 and "is held by another export to this --output" in result.stderr
+    assert not output.exists()
+    assert export(checkpoint, "--output", output).returncode == 0, "free again once the first is done"
+
+
+def test_a_failure_half_way_leaves_no_staging_and_publishes_nothing(run, tmp_path, monkeypatch):
+    from recipes import export as export_module
+
+    _, checkpoint, _ = run
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / ".model.tmp" / "model.safetensors"))
+
+    monkeypatch.setattr(export_module, "_write_weights", fail)
+    with pytest.raises(ConfigError, match="No space left on device"):
+        export_checkpoint(checkpoint, tmp_path / "model")
+    assert not (tmp_path / "model").exists() and leftovers(tmp_path) == []
+
+
+def test_exporting_an_exported_model_says_what_it_is(trained_run, tmp_path):
+    final = trained_run["dir"] / "final"
+    result = export(final, "--output", tmp_path / "model")
+    assert result.returncode == 2
+    assert "is an exported model directory already (export.json): use it as it is" in result.stderr
