@@ -31,7 +31,7 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/python -m data_prep.demo_corpus --output $(DEMO)/data --train-mb 6 --validation-mb 0.5
 	$(BIN)/python -m data_prep.train_tokenizer --input $(DEMO)/data/train.jsonl --vocab-size 2048 \
-		--output $(DEMO)/tokenizer
+		--output $(DEMO)/tokenizer --overwrite
 	$(BIN)/python -m eval.fixtures --output $(DEMO)/eval_data
 	rm -rf $(DEMO)/packed $(DEMO)/run
 	$(BIN)/python -m data_prep.preprocess --tokenizer $(DEMO)/tokenizer --input $(DEMO)/data/train.jsonl \

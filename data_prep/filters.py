@@ -1,11 +1,11 @@
 """Documents that must not be trained on: copies of benchmark test questions (decontamination) and exact duplicates.
 
-Decontamination follows GPT-3 and OLMo: a document is dropped when it shares a normalized n-gram (case-folded,
-ASCII punctuation removed, split at any Unicode space; n = 13 by default) with a benchmark test item (an MMLU
-question with its choices, plain or in the quiz layout "A. ... B. ... C. ... D. ...", or a GSM8K question). An item
-shorter than n words matches only whole; one shorter than MIN_WORDS is not checked at all (such phrases are common
-text, not evidence of a leak) but counted. Exact deduplication drops every document whose normalized text hashes
-(BLAKE2b, 8 bytes) like one kept before in this preprocessing run.
+Decontamination follows GPT-3 and OLMo: a document is dropped when it shares a normalized n-gram (NFKC, case-folded,
+punctuation removed, split at any Unicode space, invisible characters dropped; n = 13 by default) with a benchmark
+test item (an MMLU question with its choices, plain or in the quiz layout "A. ... B. ... C. ... D. ...", or a GSM8K
+question). An item shorter than n words matches only whole; one shorter than MIN_WORDS is not checked at all (such
+phrases are common text, not evidence of a leak) but counted. Exact deduplication drops every document whose
+normalized text hashes (BLAKE2b, 8 bytes) like one kept before in this preprocessing run.
 
 The tokenizer processes examine each piece of text (its hash, the first benchmark item it contains), so the work
 scales with --num-workers; the main process then decides per whole document, in corpus order (`Sieve`), so the
@@ -14,9 +14,13 @@ first copy is the one kept whatever the number of workers, and the hashes seen p
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 import string
+import sys
+import unicodedata
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -28,24 +32,41 @@ _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd, so invertible modulo 2^64: w
 _INVERSE = np.uint64(pow(0x9E3779B97F4A7C15, -1, 1 << 64))
 
 
-# Unicode's other spaces (no-break, en/em and the other typographic spaces, ideographic, line and paragraph
-# separators, next line), as UTF-8: each becomes an ASCII space, so "What\u00a0is" is two words as "What is" is.
-_UNICODE_SPACES = tuple(chr(c).encode() for c in (0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F,
-                                                  0x205F, 0x3000))  # fmt: skip
+# Outside ASCII, text is first brought to one form: NFKC (full-width letters, ligatures, superscripts and the
+# typographic spaces become their plain forms), then every Unicode punctuation mark and space (curly quotes, dashes,
+# the spaces NFKC keeps) becomes an ASCII space and the invisible format characters (soft hyphen, zero-width
+# space and joiners, byte order mark) are dropped, so "don’t" and "don't", "ﬁnal" and "final", "What\u00a0is" and
+# "What is", or a question with a zero-width space planted in a word all give the same words.
+NORMALIZATION_VERSION = 2  # part of the output's settings: hashes of another version are not comparable
+
+
+@functools.cache
+def _unicode_table() -> dict[int, str | None]:
+    """Built on the first non-ASCII text (~0.3 s), from this Python's Unicode database."""
+    table: dict[int, str | None] = {}
+    for code in range(0x80, sys.maxunicode + 1):
+        category = unicodedata.category(chr(code))
+        if category[0] in "PZ" or chr(code).isspace():
+            table[code] = " "
+        elif category == "Cf":
+            table[code] = None
+    return table
+
+
+_NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
 
 
 def normalized_bytes(text: str) -> bytes:
-    """The text case-folded, as UTF-8, with punctuation and every kind of space turned into ASCII spaces."""
-    data = text.casefold().encode("utf-8", "surrogatepass")
-    if not data.isascii():
-        for space in _UNICODE_SPACES:
-            if space in data:
-                data = data.replace(space, b" ")
-    return data.translate(_PUNCTUATION_TO_SPACE)
+    """The text in one Unicode form, case-folded, as UTF-8, with punctuation and every kind of space turned into
+    ASCII spaces and invisible format characters removed."""
+    if not text.isascii():
+        table = _unicode_table()  # translated a run at a time: str.translate is slow over a whole text
+        text = _NON_ASCII_RUN.sub(lambda run: run[0].translate(table), unicodedata.normalize("NFKC", text))
+    return text.casefold().encode("utf-8", "surrogatepass").translate(_PUNCTUATION_TO_SPACE)
 
 
 def normalized_words(text: str) -> list[bytes]:
-    """The words of the text, case-folded, punctuation and Unicode spaces removed (as UTF-8 bytes)."""
+    """The words of the normalized text (`normalized_bytes`), as UTF-8 bytes."""
     return normalized_bytes(text).split()
 
 
@@ -284,7 +305,8 @@ class FilterSpec:
             return None
         digest = hashlib.sha256(json.dumps(self.items).encode()).hexdigest() if self.items else None
         return {"decontaminate_items": len(self.items), "decontaminate_sha256": digest,
-                "decontaminate_ngram": self.ngram if self.items else None, "dedup": self.dedup}  # fmt: skip
+                "decontaminate_ngram": self.ngram if self.items else None, "dedup": self.dedup,
+                "normalization": NORMALIZATION_VERSION}  # fmt: skip
 
 
 class PieceExaminer:

@@ -102,7 +102,7 @@ def load_progress(out: Path, settings: dict) -> Saved | None:
     Refuses an output made with other settings, and a directory that holds anything else."""
     manifest, state = out / MANIFEST, out / PROGRESS_DIR / PROGRESS_FILE
     if manifest.exists():
-        _refuse_other_settings(out, json.loads(manifest.read_text())["settings"], settings)
+        _refuse_other_settings(out, _preprocess_settings(manifest), settings)
         return None
     empty = np.zeros(0, dtype=np.int32)
     if state.exists():
@@ -116,6 +116,19 @@ def load_progress(out: Path, settings: dict) -> Saved | None:
         raise PreprocessError(f"{out} exists and is not a preprocessing output; choose an empty or new --output")
     (out / PROGRESS_DIR / SEEN_FILE).unlink(missing_ok=True)  # appended before a first save that never landed
     return Saved(Progress(), empty, empty, np.zeros(0, dtype=np.uint64))
+
+
+def _preprocess_settings(manifest: Path) -> dict:
+    """The settings a finished preprocessing output records. Another tool's manifest.json (a training
+    checkpoint's, say) or a damaged one is refused: writing shards beside it would mix two things in one place."""
+    try:
+        recorded = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        recorded = None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("settings"), dict):
+        raise PreprocessError(f"{manifest.parent} exists and is not a preprocessing output ({manifest.name} is not "
+                              "one); choose an empty or new --output")  # fmt: skip
+    return recorded["settings"]
 
 
 def _load_seen(path: Path, count: int) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shutil
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -46,20 +47,59 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="directory to save the tokenizer in")
     parser.add_argument("--text-field", default="text", help="field holding the text in jsonl/parquet")
     parser.add_argument("--max-documents", type=int, default=None, help="train on the first N documents only")
+    parser.add_argument("--overwrite", action="store_true", help="replace the tokenizer already in --output")
     args = parser.parse_args(argv)
     if args.vocab_size < 258:
         parser.error(f"--vocab-size {args.vocab_size} is too small: 256 byte tokens + 2 special tokens is the minimum")
+    output = Path(args.output)
     try:
         sources = resolve_sources(args.input, "--input")
+        check_output(output, args.overwrite)
     except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
     texts = itertools.chain.from_iterable(iter_texts(path, args.text_field) for path in sources)
     if args.max_documents is not None:
         texts = itertools.islice(texts, args.max_documents)
     tokenizer = train_tokenizer(texts, args.vocab_size)
-    Path(args.output).mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(args.output)
+    publish(tokenizer, output)
     print(f"saved a {len(tokenizer)}-token byte-level BPE tokenizer to {args.output}")
+
+
+# What save_pretrained writes for a fast tokenizer, across transformers versions: --overwrite replaces a directory
+# that holds only these, never a model, checkpoint or dataset directory whose tokenizer would no longer match it.
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja"}  # fmt: skip
+
+
+def check_output(output: Path, overwrite: bool) -> None:
+    """Before training: the output is new or empty, or (with --overwrite) holds a tokenizer and nothing else.
+    Checkpoints and preprocessed shards record the tokenizer they were made with; replacing it silently would
+    make them disagree with it."""
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"--output {output} is a file; give a directory")
+    present = sorted(entry.name for entry in output.iterdir()) if output.is_dir() else []
+    if not present:
+        return
+    others = [name for name in present if name not in TOKENIZER_FILES]
+    if others:
+        raise ValueError(f"--output {output} holds other files ({', '.join(others[:3])}), not only a tokenizer; "
+                         "choose a new directory")  # fmt: skip
+    if not overwrite:
+        raise ValueError(f"--output {output} already holds a tokenizer; pass --overwrite to replace it, or choose "
+                         "a new directory")  # fmt: skip
+
+
+def publish(tokenizer: PreTrainedTokenizerFast, output: Path) -> None:
+    """Saved beside the output, then renamed into place: a kill leaves the old tokenizer or the new one whole."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging, retired = output.with_name(f".{output.name}.tmp"), output.with_name(f".{output.name}.old")
+    for leftover in (staging, retired):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tokenizer.save_pretrained(staging)
+    if output.exists():
+        output.rename(retired)
+    staging.rename(output)
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 if __name__ == "__main__":

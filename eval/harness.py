@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.files import atomic_write_text
 from data_prep.benchmark_files import mmlu_layout
 
 logger = logging.getLogger("eval")
@@ -215,7 +216,7 @@ def write_results(results: dict, path: str | Path) -> None:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2, default=str))
+    atomic_write_text(path, json.dumps(results, indent=2, default=str))  # a kill leaves the old file or the new
 
 
 def write_samples(samples: dict, path: str | Path) -> None:

@@ -13,8 +13,10 @@ prints its table. Without --mmlu-dir / --gsm8k-dir the stock hub tasks are used,
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         what = "--tokenizer" if args.tokenizer else "--model (no --tokenizer given, so its tokenizer)"
         tokenizer = load_tokenizer(args.tokenizer or args.model, what)
         model_args(args.device, args.dtype, args.parallelize)  # the choice is checked before the model is loaded
+        check_output(Path(args.output), [Path(args.model), Path(args.tokenizer or args.model)])
     except (BenchmarkDataError, TokenizerLoadError, ValueError) as error:
         if args.debug or os.environ.get("LOG_LEVEL", "").upper() == "DEBUG":
             traceback.print_exc()
@@ -85,6 +88,30 @@ def model_args(device: str, dtype: str, parallelize: bool) -> dict:
     if parallelize and device != "cuda":
         raise ValueError("--parallelize shards the model over GPUs; this machine has none (use --device cpu)")
     return {"device": device, "dtype": dtype, "parallelize": parallelize}
+
+
+def check_output(output: Path, inputs: list[Path]) -> None:
+    """Before hours of evaluation: the results file can be written, and writing it replaces nothing that is read
+    (a file of the model or tokenizer directory; an earlier results file there may be replaced)."""
+    if output.is_dir():
+        raise ValueError(f"--output {output} is a directory; give the path of the results JSON file")
+    beside_inputs = any(output.resolve().parent == source.resolve() for source in inputs)
+    if output.exists() and beside_inputs and not _is_results_file(output):
+        raise ValueError(f"--output {output} is a file of the model or tokenizer directory, which it would "
+                             "replace; give a new path")  # fmt: skip
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output.parent, prefix=f".{output.name}.", suffix=".probe"):
+            pass
+    except OSError as error:
+        raise ValueError(f"--output {output}: cannot write there ({error.strerror})") from None
+
+
+def _is_results_file(path: Path) -> bool:
+    try:
+        return "results" in json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        return False
 
 
 if __name__ == "__main__":

@@ -58,6 +58,21 @@ def test_unicode_spaces_and_case_are_normalized_as_ascii_ones_are(benchmarks, sp
     assert normalized_words(f"Straße{space}STRASSE") == [b"strasse", b"strasse"]
 
 
+def test_unicode_forms_quotes_and_invisible_characters_are_normalized_too(benchmarks):
+    """Web text writes the same words in other code points: curly apostrophes and dashes, full-width letters,
+    ligatures, and invisible characters planted inside words (zero-width space, soft hyphen, byte order mark)."""
+    index = BenchmarkIndex(benchmark_items(*map(str, benchmarks)), n=13)
+    disguised = (
+        GSM8K_QUESTION.replace("Marisol", "Ｍａｒｉｓｏｌ")
+        .replace("trays", "tra\u200bys")
+        .replace("muffins", "muf\ufb01ns")
+        .replace("market", "mar\u00adket")
+        .replace(" on ", " \ufeffon—")
+    )
+    assert index.match(normalized_words(f"“Homework”: {disguised}")) == "gsm8k test 0"
+    assert normalized_words("don’t «stop» — ﬁnal ¹") == normalized_words('don\'t "stop" - final 1')
+
+
 def test_a_short_mmlu_item_in_the_quiz_layout_is_found(tmp_path):
     for split in ("test", "dev"):
         (tmp_path / "mmlu" / split).mkdir(parents=True)

@@ -1,5 +1,6 @@
 import gzip
 import json
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -55,6 +56,28 @@ def test_tokenizer_cli_rejects_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_tokenizer(["--input", str(tmp_path / "nope.jsonl"), "--vocab-size", "512", "--output", str(tmp_path)])
     assert "nope.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_the_tokenizer_cli_never_replaces_what_other_outputs_were_made_with(tmp_path, corpus, capsys):
+    """A model or checkpoint directory's tokenizer files, or a tokenizer in use, used to be replaced silently."""
+    source = corpus["validation"]
+    model = tmp_path / "final"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("the model's own")
+    existing = tmp_path / "tokenizer"
+    shutil.copytree(corpus["tokenizer"], existing)
+    before = {p.name: p.read_bytes() for p in existing.iterdir()}
+    for output, named in ((model, "holds other files (config.json)"), (existing, "pass --overwrite"),
+                          (source, "is a file")):  # fmt: skip
+        with pytest.raises(SystemExit) as stopped:
+            train_tokenizer(["--input", str(source), "--vocab-size", "300", "--output", str(output)])
+        assert stopped.value.code == 2 and named in capsys.readouterr().err
+    assert (model / "tokenizer.json").read_text() == "the model's own"
+    assert {p.name: p.read_bytes() for p in existing.iterdir()} == before
+    train_tokenizer(["--input", str(source), "--vocab-size", "300", "--output", str(existing), "--overwrite"])
+    assert len(AutoTokenizer.from_pretrained(existing)) == 300 and sorted(p.name for p in tmp_path.iterdir()) == [
+        "final", "tokenizer"]  # fmt: skip
 
 
 def test_demo_corpus_split_is_disjoint(tmp_path):

@@ -3,6 +3,7 @@ lm-eval's own prompts, the standalone runner, and the in-loop hook's RNG and mod
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +209,25 @@ def test_standalone_runner_on_both_layouts_writes_lm_eval_results(tmp_path, data
     if not torch.cuda.is_available():  # sharding over GPUs is refused on a machine without them, before loading
         arguments = ["--model", str(tiny_model_dir), "--gsm8k-dir", str(data["gsm8k_jsonl"]), "--tasks", "gsm8k"]
         assert run_main([*arguments, "--parallelize", "--output", str(tmp_path / "x.json")]) == 2
+
+
+def test_an_output_that_cannot_take_the_results_is_refused_before_the_evaluation(tmp_path, data, tiny_model_dir,
+                                                                                  capsys):  # fmt: skip
+    """Hours of evaluation used to end in IsADirectoryError (results lost), or replace the model's own config."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = (model / "config.json").read_bytes()
+    (tmp_path / "a-file").write_text("")
+    arguments = ["--model", str(model), "--tasks", "gsm8k", "--gsm8k-dir", str(data["gsm8k_jsonl"]), "--output"]
+    for output, named in ((tmp_path, "is a directory"), (model / "config.json", "a file of the model"),
+                          (tmp_path / "a-file" / "r.json", "cannot write there")):  # fmt: skip
+        assert run_main([*arguments, str(output)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--output {output}" in err and named in err, err
+    assert (model / "config.json").read_bytes() == config and not list(tmp_path.rglob("*.probe"))
+    (model / "results.json").write_text('{"results": {}}')  # an earlier result beside the model may be replaced
+    assert run_main([*arguments, str(model / "results.json"), "--limit", "2", "--max-gen-toks", "4"]) == 0
+    assert json.loads((model / "results.json").read_text())["n-samples"]["gsm8k_local"]["effective"] == 2
 
 
 def test_in_loop_hook_restores_rng_and_training_mode(tmp_path, data, tiny_model_dir):

@@ -111,6 +111,29 @@ def test_a_directory_made_for_another_row_length_is_refused(corpus, tmp_path):
     assert "holds rows of 128 tokens, max_seq_length is 64" in said
 
 
+def test_overwrite_output_dir_never_deletes_what_the_new_run_reads(corpus, tmp_path):
+    """A run continued from the old run's final/ with overwrite_output_dir: true used to delete that model before
+    loading it. The directories named like the run's outputs are removed only when nothing read lies in them."""
+    from recipes.training.output_dir import check_fresh_start
+
+    run = tmp_path / "run"
+    for name in ("checkpoint-4", "final", "eval"):
+        (run / name).mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}")
+    (run / "eval" / "mmlu").mkdir()
+    overwrite = {"overwrite_output_dir": "true", "resume_from_checkpoint": "none"}
+    cases = [(run / "final", "model_name_or_path", "final"), (run / "eval" / "mmlu", "mmlu_dir", "eval"),
+             (f"{run}/final/*.jsonl", "train_files", "final")]  # fmt: skip
+    for reads, key, doomed in cases:
+        shape = {"model_config": "{}"} if key == "model_name_or_path" else {}
+        config = load_config(TINY_RECIPE, tiny_overrides(corpus, run, **overwrite, **shape, **{key: reads})[2:])
+        with pytest.raises(ConfigError, match=f"would delete {run / doomed}, which {key} reads"):
+            check_fresh_start(config)
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4", "eval", "final"]
+    check_fresh_start(load_config(TINY_RECIPE, tiny_overrides(corpus, run, **overwrite)[2:]))
+    assert list(run.iterdir()) == [], "the old run's outputs go when nothing read lies in them"
+
+
 def test_trackers_that_would_fail_after_the_model_are_refused_before_it(tmp_path, monkeypatch):
     from recipes.telemetry.trackers import check_trackers
 

@@ -139,6 +139,13 @@ def test_missing_input_and_conflicting_output_stop_before_work(tmp_path, corpus,
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     with pytest.raises(PreprocessError, match="not a preprocessing output"):
         preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(tmp_path / "busy"), SEQ)
+    # a training checkpoint also has a manifest.json, and a damaged one is no better: refused, nothing written
+    for name, text in (("checkpoint-8", '{"files": {}}'), ("torn", '{"settings": {"seq_')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(text)
+        with pytest.raises(PreprocessError, match=f"{name} exists and is not a preprocessing output"):
+            preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(tmp_path / name), SEQ)
+        assert [p.name for p in (tmp_path / name).iterdir()] == ["manifest.json"]
 
 
 def test_sigkill_then_the_same_command_finishes_identically(tmp_path, corpus):

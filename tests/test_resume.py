@@ -178,7 +178,7 @@ def test_a_blown_up_run_stops_every_rank_without_saving(tmp_path, corpus):
         max_grad_norm="1e9", logging_steps=1, save_steps=1,
     )  # fmt: skip
     result = launch(REPO / "recipes/pretrain.py", args)
-    assert result.returncode != 0
+    assert result.returncode != 0 and re.search(r"exitcode\s*:\s*3\b", result.stderr), result.stderr[-3000:]
     assert re.search(r"non-finite (loss|gradient norm) at step (\d+)", result.stderr)
     step = int(re.search(r"non-finite (?:loss|gradient norm) at step (\d+)", result.stderr).group(1))
     published = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*"))

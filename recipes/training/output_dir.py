@@ -51,12 +51,40 @@ def check_fresh_start(config: PretrainConfig) -> None:
             f"--resume none, but {output_dir} holds checkpoints of another run ({previous[-1].name}, ...): resume "
             "it (--resume auto), choose a new output_dir, or set overwrite_output_dir: true to delete that run"
         )
-    for path in [*previous, *output_dir.glob(".checkpoint-*.tmp"), *(output_dir / name for name in RUN_OUTPUTS)]:
+    doomed = [*previous, *output_dir.glob(".checkpoint-*.tmp"), *(output_dir / name for name in RUN_OUTPUTS)]
+    refuse_deleting_inputs(config, [path for path in doomed if path.exists()])
+    for path in doomed:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
     logger.warning("overwrite_output_dir: removed the previous run in %s (%d checkpoints)", output_dir, len(previous))
+
+
+def refuse_deleting_inputs(config: PretrainConfig, doomed: list[Path]) -> None:
+    """A run continued from its own `final/` (model_name_or_path), or reading a tokenizer or data kept under the old
+    run's outputs, would lose its input to `overwrite_output_dir` halfway through its start."""
+    for key, source in read_paths(config):
+        for path in doomed:
+            if source.resolve().is_relative_to(path.resolve()):
+                raise ConfigError(f"overwrite_output_dir would delete {path}, which {key} reads ({source}): copy it "
+                                  "elsewhere first, or choose a new output_dir")  # fmt: skip
+
+
+def read_paths(config: PretrainConfig) -> list[tuple[str, Path]]:
+    """The local paths the run reads, by key (a glob by the directory before its first wildcard)."""
+    named = [("tokenizer_name_or_path", config.tokenizer_name_or_path),
+             ("model_name_or_path", config.model_name_or_path), ("mmlu_dir", config.mmlu_dir),
+             ("gsm8k_dir", config.gsm8k_dir),
+             *(("train_files", name) for name in config.train_files or []),
+             *(("train_mixture", entry.get("path")) for entry in config.train_mixture or []),
+             *(("validation_files", name) for name in config.validation_files)]  # fmt: skip
+    paths = []
+    for key, name in named:
+        if isinstance(name, str) and name:
+            fixed = Path(name.split("*")[0].split("?")[0].split("[")[0] or ".")
+            paths.append((key, fixed if fixed.exists() else fixed.parent))
+    return paths
 
 
 def prepare(config: PretrainConfig, ds_config: dict) -> None:
