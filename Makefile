@@ -24,7 +24,14 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(if $(TORCH),$(BIN)/python -m pip install --quiet "$(TORCH)")
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(if $(TORCH),$(PREBUILD_CPU_OPS))
 	touch $@
+
+# DeepSpeed JIT-compiles its CPU Adam and shared-memory allreduce at the first launch (~70 s on 2 cores): done once
+# here, with the venv's ninja first on PATH as every launch has it (another ninja would change the build's hash).
+PREBUILD_CPU_OPS = PATH="$(abspath $(BIN)):$$PATH" DS_ACCELERATOR=cpu $(BIN)/python -c \
+	"from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder; \
+	CPUAdamBuilder().load(verbose=False); ShareMemCommBuilder().load(verbose=False)"
 
 install: $(BIN)/.installed
 

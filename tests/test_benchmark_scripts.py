@@ -24,17 +24,12 @@ def small_corpus(tmp_path, corpus, lines: int) -> str:
     return str(small)
 
 
-@pytest.mark.multiprocess
-def test_step_overhead_runs_the_real_trainer_with_and_without_document_masking(tmp_path):
-    profile = tmp_path / "profile.txt"
-    report = run_benchmark("step_overhead", "--steps", "2", "--repeats", "1", "--loops", "bare,recipe,recipe_masked",
-                           "--profile-output", str(profile))  # fmt: skip
-    assert report["bare_s_per_step"] > 0 and report["recipe_s_per_step"] > 0 and report["recipe_masked_s_per_step"] > 0
-    assert report["ratio"] == pytest.approx(report["recipe_s_per_step"] / report["bare_s_per_step"])
-    masking = report["recipe_s_per_step"] / report["recipe_masked_s_per_step"]
-    assert report["masking_throughput_ratio"] == pytest.approx(masking)
-    assert report["document_masking"] is False and len(report["warmup_losses"]) == 2  # 1 step x 2 micro-batches
-    assert "aten::" in profile.read_text()
+def test_step_overhead_names_its_loops_before_launching_anything():
+    """The benchmark itself runs on the real Trainer in tests/test_gpu_check.py's dry run (the training stage calls
+    `step_overhead.run` with the loops bare, recipe and recipe_masked); here only its refusal, which costs no launch."""
+    command = [sys.executable, "-m", "benchmarks.step_overhead", "--loops", "bare,fast"]
+    result = subprocess.run(command, cwd=REPO, env=LAUNCH_ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "fast" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_data_throughput_runs_every_method_on_a_small_corpus(tmp_path, corpus):

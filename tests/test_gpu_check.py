@@ -51,6 +51,12 @@ def test_the_dry_run_exercises_every_stage_on_the_cpu(tmp_path):
     runs = stages["training"]
     assert [(r["micro_batch"], r["gradient_checkpointing"]) for r in runs] == [(2, True), (1, False)]
     assert runs[0]["recipe_s_per_step"] > 0 and runs[0]["recipe_masked_s_per_step"] > 0
+    # benchmarks/step_overhead.py's own report, as the training stage got it from the real Trainer
+    timed = runs[0]
+    assert timed["ratio"] == pytest.approx(timed["recipe_s_per_step"] / timed["bare_s_per_step"])
+    masking = timed["recipe_s_per_step"] / timed["recipe_masked_s_per_step"]
+    assert timed["masking_throughput_ratio"] == pytest.approx(masking)
+    assert timed["document_masking"] is False and len(timed["warmup_losses"]) == 2  # 1 step x 2 micro-batches
     assert all(r["bare_s_per_step"] > 0 and r["plan_memory"]["plan_total_gb"] > 0 for r in runs)
     assert (tmp_path / "profile_mb2_ckpt_on.txt").read_text().count("aten::") > 5
     checks = {c["attn_implementation"]: c for c in stages["attention"]["checks"]}
