@@ -200,14 +200,28 @@ def load_gsm8k(directory: str | Path, **_) -> dict[str, list[dict]]:
     }
 
 
+# The few-shot pools of the hub copies, for a check without local data: cais/mmlu's dev split holds exactly 5 rows
+# per subject; openai/gsm8k's train split (lm-eval's few-shot split for GSM8K) 7,473.
+HUB_MMLU_DEV_ROWS = 5
+HUB_GSM8K_TRAIN_ROWS = 7473
+
+
+def mmlu_dev_rows(directory: str | Path) -> dict[str, int]:
+    """Every subject loads (BenchmarkDataError names the problem); the rows of each subject's few-shot split."""
+    _, subjects = mmlu_layout(directory)
+    return {subject: len(load_mmlu_subject(directory, subject)["dev"]) for subject in subjects}
+
+
 def check_mmlu(directory: str | Path) -> list[str]:
     """Every subject loads; returns the subjects. Raises BenchmarkDataError naming the problem."""
-    _, subjects = mmlu_layout(directory)
-    for subject in subjects:
-        load_mmlu_subject(directory, subject)
-    return subjects
+    return list(mmlu_dev_rows(directory))
+
+
+def gsm8k_split_rows(directory: str | Path) -> dict[str, int]:
+    """The directory loads; the problems of each split (test: scored, train: lm-eval's few-shot split)."""
+    return {split: len(rows) for split, rows in load_gsm8k(directory).items()}
 
 
 def check_gsm8k(directory: str | Path) -> int:
     """The directory loads; returns the number of test problems."""
-    return len(load_gsm8k(directory)["test"])
+    return gsm8k_split_rows(directory)["test"]

@@ -22,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from common.files import atomic_write_text, sha256_of
+from common.files import atomic_write_text, fingerprint_change, sha256_of
 from common.lock import LOCK_FILE, DirectoryLock, LockedError
 from data_prep.format import EXAMPLES_PER_REASON, MANIFEST, SHARD_DIR, shard_name
 from data_prep.report import CorpusStats, summary, write_report
@@ -56,13 +56,57 @@ def read_parts(directories: list[str]) -> list[tuple[Path, dict]]:
         settings = manifest["settings"]
         for key in sorted(set(first) | set(settings)):
             mine, theirs = settings.get(key), first.get(key)
-            if key == "inputs" or (key == "part" and mine["all_inputs"] == theirs["all_inputs"]
-                                   and mine["count"] == theirs["count"]):  # fmt: skip
+            if key in ("inputs", "input_fingerprints") or (key == "part" and mine["all_inputs"] == theirs[
+                    "all_inputs"] and mine["count"] == theirs["count"]):  # fmt: skip
                 continue
             if mine != theirs:
                 raise MergeError(f"{path} was made with another {key} than {parts[0][0]}: parts of one run share "
                                  "every setting but --part")  # fmt: skip
+    check_coverage(parts)
     return parts
+
+
+def check_coverage(parts: list[tuple[Path, dict]]) -> None:
+    """The parts together read every input file exactly once, all split the inputs by the same sizes, and each
+    file is still what its part read. A file still being copied while the parts started once went to two parts
+    (each split by the size it saw) and was merged twice."""
+    every = [str(Path(source).resolve()) for source in parts[0][1]["settings"]["part"]["all_inputs"]]
+    readers: dict[str, list[int]] = {source: [] for source in every}
+    for path, manifest in parts:
+        index = manifest["settings"]["part"]["index"]
+        for source in manifest["settings"]["inputs"]:
+            if source not in readers:
+                raise MergeError(f"{path} (part {index}) read {source}, which is not among the run's inputs")
+            readers[source].append(index)
+    sizes = {}  # input -> {split size: parts that saw it}
+    for _, manifest in parts:
+        split_bytes = manifest["settings"]["part"].get("split_bytes")  # parts made before it was recorded: None
+        for source, size in zip(every, split_bytes or [], strict=False):
+            sizes.setdefault(source, {}).setdefault(size, []).append(manifest["settings"]["part"]["index"])
+    for source, seen in readers.items():
+        if len(seen) == 1:
+            continue
+        split = next((by_size for by_size in (sizes.get(source),) if by_size and len(by_size) > 1), None)
+        why = "" if split is None else " (the file changed between their starts: " + ", ".join(
+            f"part(s) {parts_} saw {size:,} bytes" for size, parts_ in split.items()) + ")"  # fmt: skip
+        if not seen:
+            raise MergeError(f"{source} was read by no part{why}: preprocess the parts again once the inputs are "
+                             "final, each into a new directory")  # fmt: skip
+        raise MergeError(f"{source} was read by parts {seen}: its documents would be merged twice{why}. Preprocess "
+                         "the parts again once the inputs are final, each into a new directory")  # fmt: skip
+    for source, by_size in sizes.items():
+        if len(by_size) > 1:
+            said = ", ".join(f"part(s) {parts_} saw {size:,} bytes" for size, parts_ in by_size.items())
+            raise MergeError(f"the parts split the inputs by different sizes of {source} ({said}): it changed "
+                             "between their starts; preprocess the parts again once the inputs are final")  # fmt: skip
+    for path, manifest in parts:
+        recorded = manifest["settings"].get("input_fingerprints") or []
+        for source, before in zip(manifest["settings"]["inputs"], recorded, strict=False):
+            change = fingerprint_change(source, before) if Path(source).exists() else None
+            if change:
+                index = manifest["settings"]["part"]["index"]
+                raise MergeError(f"{source} changed since part {index} ({path}) read it: {change}; preprocess that "
+                                 "part again into a new directory")  # fmt: skip
 
 
 def merge(directories: list[str], output: str, log=print) -> dict:
@@ -141,6 +185,8 @@ def merged_manifest(manifests: list[dict], shards: list[dict], part_paths: list[
     counted = ("num_documents", "num_tokens", "num_document_tokens", "num_sequences", "dropped_tail_tokens")
     totals = {key: sum(m[key] for m in manifests) for key in counted}
     settings = {**first["settings"], "inputs": [i for m in manifests for i in m["settings"]["inputs"]], "part": None}
+    if all("input_fingerprints" in m["settings"] for m in manifests):
+        settings["input_fingerprints"] = [f for m in manifests for f in m["settings"]["input_fingerprints"]]
     return {
         **{key: first[key] for key in ("seq_len", "dtype", "tokenizer")},
         **totals,

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from common.files import atomic_write_text
+from common.files import atomic_write_text, fingerprint, fingerprint_change
 from common.lock import DirectoryLock, LockedError
 from data_prep.filters import (
     FilterSpec,
@@ -178,7 +178,8 @@ def preprocess(
     filters = filters or FilterSpec([])
     check_numbers(seq_len, num_workers, rows_per_shard, max_document_chars, num_parts, part, filters.ngram)
     every_source = check_inputs(inputs, text_field)
-    sources = select_part(every_source, num_parts, part)
+    split_bytes = [os.path.getsize(source) for source in every_source]  # what the part split sees, recorded
+    sources = select_part(every_source, num_parts, part, split_bytes)
     if num_parts > 1:
         log(f"part {part} of {num_parts}: {len(sources)} of {len(every_source)} input files")
     tokenizer = load_fast_tokenizer(tokenizer_path)
@@ -187,11 +188,14 @@ def preprocess(
         "seq_len": seq_len,
         "text_field": text_field,
         "inputs": [str(Path(source).resolve()) for source in sources],
+        "input_fingerprints": [fingerprint(source) for source in sources],  # a resume must read the same bytes
         "rows_per_shard": rows_per_shard,
         "max_document_chars": max_document_chars,
         "tokenizer": tokenizer_identity(tokenizer, tokenizer_path),
         "filters": filters.settings(),
-        "part": None if num_parts == 1 else {"index": part, "count": num_parts, "all_inputs": every_source},
+        "part": None
+        if num_parts == 1
+        else {"index": part, "count": num_parts, "all_inputs": every_source, "split_bytes": split_bytes},  # fmt: skip
     }
     out = Path(output)
     try:
@@ -224,12 +228,14 @@ def check_numbers(seq_len: int, num_workers: int, rows_per_shard: int, max_docum
         raise PreprocessError(f"--decontaminate-ngram {ngram}: must be a positive number of words")
 
 
-def select_part(sources: list[str], num_parts: int, part: int) -> list[str]:
+def select_part(sources: list[str], num_parts: int, part: int, split_bytes: list[int]) -> list[str]:
     """Part `part`'s input files: a contiguous run of the corpus order, the parts balanced by bytes (a file goes to
-    the part its middle byte falls in). Deterministic for the same files, so every array task agrees."""
+    the part its middle byte falls in). Deterministic for the same sizes, so every array task agrees; a file that
+    grows between two parts' starts (still being copied) changes the split, which the parts record and
+    `data_prep.merge` checks."""
     if num_parts == 1:
         return sources
-    sizes = [max(os.path.getsize(source), 1) if Path(source).exists() else 1 for source in sources]
+    sizes = [max(size, 1) for size in split_bytes]
     total, before, chosen = sum(sizes), 0, []
     for source, size in zip(sources, sizes, strict=True):
         if (2 * before + size) * num_parts // (2 * total) == part:
@@ -264,6 +270,11 @@ def _run(out: Path, sources: list[str], settings: dict, tokenizer, strict: bool,
         filters.dedup,
     )
     packer.run(chunks, serialized, identity, num_workers, filters)
+    for source, recorded in zip(sources, settings["input_fingerprints"], strict=True):
+        change = fingerprint_change(source, recorded)
+        if change:  # e.g. still being copied: the shards hold part of one version and part of another
+            raise PreprocessError(f"--input {source} changed while it was being read ({change}); no manifest was "
+                                  "written. Once the file is final, preprocess into a new --output")  # fmt: skip
     manifest = build_manifest(settings, progress, packer, num_workers)
     out.mkdir(parents=True, exist_ok=True)
     write_report(out, manifest, CorpusStats(**progress.stats), settings["inputs"])

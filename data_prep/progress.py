@@ -76,6 +76,10 @@ def settings_conflict(saved: dict, wanted: dict) -> str | None:
         "filters",
         "part",
     ):
+        same_split = key == "part" and saved.get("part") and wanted["part"] and {**saved["part"], "split_bytes": None} \
+            == {**wanted["part"], "split_bytes": None}  # fmt: skip
+        if same_split:  # whatever sizes the split saw: this part's own files are compared by input_change
+            continue
         if saved.get(key, defaults.get(key)) != wanted[key]:
             return f"{key} is {saved.get(key, defaults.get(key))!r} there, {wanted[key]!r} now"
     if saved.get("tokenizer", {}).get("sha256") != wanted["tokenizer"]["sha256"]:
@@ -102,14 +106,14 @@ def load_progress(out: Path, settings: dict) -> Saved | None:
     Refuses an output made with other settings, and a directory that holds anything else."""
     manifest, state = out / MANIFEST, out / PROGRESS_DIR / PROGRESS_FILE
     if manifest.exists():
-        _refuse_other_settings(out, _preprocess_settings(manifest), settings)
+        _refuse_other_settings(out, _preprocess_settings(manifest), settings, complete=True)
         return None
     empty = np.zeros(0, dtype=np.int32)
     if state.exists():
         with np.load(state) as saved:
             record, carry = json.loads(str(saved["state"])), saved["carry"]
             open_tokens = saved.get("open_tokens", empty)
-        _refuse_other_settings(out, record["settings"], settings)
+        _refuse_other_settings(out, record["settings"], settings, complete=False)
         progress = Progress(**record["progress"])
         return Saved(progress, carry, open_tokens, _load_seen(out / PROGRESS_DIR / SEEN_FILE, progress.seen_hashes))
     if out.exists() and any(entry.name not in (SHARD_DIR, LOCK_FILE, PROGRESS_DIR) for entry in out.iterdir()):
@@ -144,10 +148,30 @@ def _load_seen(path: Path, count: int) -> np.ndarray:
     return seen[:count]
 
 
-def _refuse_other_settings(out: Path, saved: dict, wanted: dict) -> None:
+def input_change(saved: dict, wanted: dict) -> str | None:
+    """An input whose bytes differ from those the output was started on (re-shuffled under the same name, still
+    being copied, replaced), named. Outputs made before fingerprints were recorded have nothing to compare."""
+    recorded = saved.get("input_fingerprints")
+    if recorded is None:
+        return None
+    for source, before, now in zip(wanted["inputs"], recorded, wanted["input_fingerprints"], strict=True):
+        if before != now:
+            change = "its size was {:,} bytes and is {:,} now".format(before["bytes"], now["bytes"]) if (
+                before["bytes"] != now["bytes"]) else "its content changed (same size)"  # fmt: skip
+            return f"--input {source} is not the file this output was started on: {change}"
+    return None
+
+
+def _refuse_other_settings(out: Path, saved: dict, wanted: dict, complete: bool) -> None:
     conflict = settings_conflict(saved, wanted)
     if conflict:
-        raise PreprocessError(f"{out} holds another preprocessing run ({conflict}); choose a new --output")
+        advice = ("it is complete: choose a new --output" if complete else
+                  "to continue it, run the command it was started with; or choose a new --output")  # fmt: skip
+        raise PreprocessError(f"{out} holds another preprocessing run ({conflict}); {advice}")
+    changed = input_change(saved, wanted)
+    if changed:
+        raise PreprocessError(f"{out}: {changed}. A resume must read the same bytes: put the original file back "
+                              "and run again, or start over in a new --output")  # fmt: skip
 
 
 def save_progress(out: Path, settings: dict, progress: Progress, carry: np.ndarray, open_tokens: np.ndarray,

@@ -18,6 +18,7 @@ import glob
 import gzip
 import io
 import json
+import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -269,4 +270,13 @@ def resolve_sources(patterns: list[str], key: str, allow_hub: bool = True) -> li
             raise ValueError(f"{key}: {error}") from None
         except OSError as error:
             raise FileNotFoundError(f"{key}: {source} cannot be read ({error.strerror})") from None
+    seen: dict[tuple[int, int], str] = {}
+    for source in sources:
+        if allow_hub and is_hub_dataset_name(source):
+            continue
+        stat = os.stat(source)  # one file under two names (listed twice, a link, two patterns) would be read twice
+        first = seen.setdefault((stat.st_dev, stat.st_ino), source)
+        if first != source or sources.count(source) > 1:
+            raise ValueError(f"{key}: {first} and {source} are the same file (named twice, through a link, or matched "
+                             "by two patterns); its documents would be read twice: name it once")  # fmt: skip
     return sources

@@ -27,6 +27,11 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 MMLU_SUBJECTS = tuple(sorted(p.stem[len("mmlu_local_") :] for p in TASKS_DIR.glob("mmlu_local_*.yaml")))
 
 
+# What the user calls each BenchmarkSettings field: eval.run's flags; the training recipe passes its keys.
+FLAG_NAMES = {"tasks": "--tasks", "limit": "--limit", "num_fewshot": "--num-fewshot", "batch_size": "--batch-size",
+              "max_gen_toks": "--max-gen-toks"}  # fmt: skip
+
+
 @dataclass
 class BenchmarkSettings:
     tasks: list[str]
@@ -38,17 +43,33 @@ class BenchmarkSettings:
     max_gen_toks: int | None = None  # GSM8K answer budget; None keeps lm-eval's (256)
     log_samples: bool = False  # every document's prompt, answers and scores in the results (`samples`)
 
-    def check(self) -> None:
-        """Before any expensive work: known task names, and local data that loads."""
-        from data_prep.benchmark_files import check_gsm8k, check_mmlu
+    def check(self, names: dict[str, str] | None = None) -> None:
+        """Before any expensive work: known task names, numbers that can work, and local data that loads with a
+        few-shot split large enough. `names` maps the fields to what the user set (eval.run's flags by default)."""
+        from data_prep.benchmark_files import HUB_GSM8K_TRAIN_ROWS, HUB_MMLU_DEV_ROWS, gsm8k_split_rows, mmlu_dev_rows
 
+        names = {**FLAG_NAMES, **(names or {})}
         unknown = [task for task in self.tasks if task not in SUPPORTED_TASKS]
         if unknown:
-            raise ValueError(f"eval_tasks: {unknown} unknown; supported: {list(SUPPORTED_TASKS)} (or [] for none)")
-        if "mmlu" in self.tasks and self.mmlu_dir:
-            check_mmlu(self.mmlu_dir)
-        if "gsm8k" in self.tasks and self.gsm8k_dir:
-            check_gsm8k(self.gsm8k_dir)
+            supported = list(SUPPORTED_TASKS)
+            raise ValueError(f"{names['tasks']}: {unknown} unknown; supported: {supported} (or [] for none)")
+        for key, low in (("limit", 1), ("batch_size", 1), ("num_fewshot", 0), ("max_gen_toks", 1)):
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise ValueError(f"{names[key]} {value}: must be at least {low}" + (" or unset" if key in (
+                    "limit", "max_gen_toks") else ""))  # fmt: skip
+        pools = {}  # the smallest few-shot split of each task, and where it is
+        if "mmlu" in self.tasks:
+            rows = mmlu_dev_rows(self.mmlu_dir) if self.mmlu_dir else {"every subject": HUB_MMLU_DEV_ROWS}
+            smallest = min(rows, key=rows.get)
+            pools["mmlu"] = (rows[smallest], f"MMLU's dev split has {rows[smallest]} rows for {smallest}")
+        if "gsm8k" in self.tasks:
+            rows = gsm8k_split_rows(self.gsm8k_dir)["train"] if self.gsm8k_dir else HUB_GSM8K_TRAIN_ROWS
+            pools["gsm8k"] = (rows, f"GSM8K's train split (its few-shot examples) has {rows} rows")
+        for pool, where in pools.values():
+            if self.num_fewshot > pool:
+                raise ValueError(f"{names['num_fewshot']} {self.num_fewshot}: {where}, so at most {pool} examples "
+                                 "can precede a question")  # fmt: skip
 
     def metadata(self) -> dict[str, str | bool]:
         """What the local tasks' loaders read (lm-eval's `--metadata`); `raise_errors`: exceptions, not an exit."""

@@ -136,3 +136,42 @@ def test_rotation_keeps_a_checkpoint_an_export_is_reading_and_deletes_it_after(t
         assert (tmp_path / "checkpoint-100" / "manifest.json").exists(), "kept while it is read"
     assert rotate_checkpoints(accelerator, tmp_path, 2, None) == [tmp_path / "checkpoint-100"]
     assert not (tmp_path / "checkpoint-100").exists() and not reader_pin(tmp_path / "checkpoint-100").exists()
+
+
+def test_the_best_loss_belongs_to_the_validation_set_it_was_measured_on():
+    from recipes.training.run_state import RunState
+
+    old = RunState(step=8, best_eval_loss=6.46, evaluations_without_improvement=1, best_checkpoint="checkpoint-4")
+    assert old.key_best_to("a" * 64) is None, "saved before the set was recorded: nothing to compare, kept"
+    assert (old.best_eval_loss, old.evaluations_without_improvement, old.validation_sha256) == (6.46, 1, "a" * 64)
+    assert old.key_best_to("a" * 64) is None and old.best_checkpoint == "checkpoint-4"
+    said = old.key_best_to("b" * 64)
+    assert said.startswith("validation set changed since the last evaluation (sha256 aaaaaaaaaaaa -> bbbbbbbbbbbb)")
+    assert "the old set's best was 6.4600 at checkpoint-4" in said
+    assert (old.best_eval_loss, old.evaluations_without_improvement, old.best_checkpoint) == (None, 0, None)
+    restored = RunState()
+    restored.load_state_dict(old.state_dict())
+    assert restored == old and restored.key_best_to("b" * 64) is None
+
+
+def test_a_raw_training_file_shuffled_under_its_name_is_another_run(tmp_path):
+    """Raw files were known by name and size only: a file re-shuffled in place (as the docs advise before a run)
+    resumed at a data position that now points at other documents."""
+    import random
+
+    from recipes.training.resume import data_identity, identity_changes
+
+    source = tmp_path / "train.jsonl"
+    lines = [json.dumps({"text": f"document {i} " + "word " * (i % 50)}) + "\n" for i in range(20_000)]
+    source.write_text("".join(lines))
+    saved = {"train_data": data_identity([str(source)])}
+    assert identity_changes(saved, {"train_data": data_identity([str(source)])}) == []
+    random.Random(0).shuffle(lines)
+    source.write_text("".join(lines))
+    assert source.stat().st_size == saved["train_data"][0]["bytes"], "same name, same size"
+    changes = identity_changes(saved, {"train_data": data_identity([str(source)])})
+    assert len(changes) == 1 and changes[0].startswith("train_data: ") and "sample_sha256" in changes[0]
+    # a checkpoint of the version before sampled hashes: name and size are all it has, and they still match
+    older = {"train_data": [{"name": "train.jsonl", "bytes": source.stat().st_size}]}
+    assert identity_changes(older, {"train_data": data_identity([str(source)])}) == []
+    assert identity_changes(older, {"train_data": [{"name": "train.jsonl", "bytes": 1, "sample_sha256": "x"}]})

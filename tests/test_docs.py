@@ -56,3 +56,25 @@ def test_the_readme_is_a_front_door():
     assert "make demo" in readme and "make test" in readme
     linked = {Path(m.group(1)).name for m in re.finditer(r"\]\(docs/([^)#]+)", readme)}
     assert linked == {p.name for p in (REPO / "docs").glob("*.md")}, "every docs page is reachable from the README"
+
+
+def test_the_table_of_exit_codes_is_the_code_and_each_row_names_a_test_that_asserts_it():
+    """docs/run-safety.md's table, recipes/pretrain.py's docstring and the exceptions it maps agree, and each code's
+    named test exists and checks that code (rank exit codes as torchrun reports them; 0 as the launch's)."""
+    import ast
+
+    table = (REPO / "docs" / "run-safety.md").read_text()
+    rows = re.findall(r"^\| (\d) \| ([^|]+) \| `(tests/[\w/.]+)::(\w+)` \|$", table, flags=re.M)
+    assert [int(code) for code, *_ in rows] == [0, 1, 2, 3, 4, 5]
+    pretrain = (REPO / "recipes" / "pretrain.py").read_text()
+    documented = re.search(r"Exit codes: (.+?)\.\n", pretrain, flags=re.S).group(1)
+    assert [int(code) for code in re.findall(r"(\d) [a-z]", documented)] == [0, 1, 2, 3, 4, 5]
+    mapped = re.search(r"\{TrainingFault: 3, CheckpointSaveError: 4, DataStallError: 5, ConfigError: 2\}", pretrain)
+    assert mapped, "the exceptions' codes in recipes/pretrain.py changed: update the table"
+    for code, _, path, name in rows:
+        tree = ast.parse((REPO / path).read_text())
+        functions = {node.name: ast.get_source_segment((REPO / path).read_text(), node) for node in tree.body
+                     if isinstance(node, ast.FunctionDef)}  # fmt: skip
+        assert name in functions, f"{path}::{name} is named in the table but does not exist"
+        checks = f"returncode == {code}" if code == "0" else f"exitcode\\s*:\\s*{code}\\b"
+        assert checks in functions[name], f"{path}::{name} does not check exit code {code}"

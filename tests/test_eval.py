@@ -129,8 +129,38 @@ def test_missing_or_malformed_data_names_what_was_expected(tmp_path, data):
     pq.write_table(pa.table({"question": ["q"]}), tmp_path / "hub" / "anatomy" / "test-0.parquet")
     with pytest.raises(BenchmarkDataError, match=r"columns \['subject', 'choices', 'answer'\] missing"):
         check_mmlu(tmp_path / "hub")
-    with pytest.raises(ValueError, match=r"eval_tasks: \['hellaswag'\] unknown"):
+    with pytest.raises(ValueError, match=r"--tasks: \['hellaswag'\] unknown"):
         BenchmarkSettings(tasks=["hellaswag"]).check()
+    with pytest.raises(ValueError, match=r"eval_tasks: \['hellaswag'\] unknown"):
+        BenchmarkSettings(tasks=["hellaswag"]).check({"tasks": "eval_tasks"})
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        (
+            {"tasks": ["mmlu"], "num_fewshot": 6},
+            "--num-fewshot 6: MMLU's dev split has 5 rows for elementary_mathematics, so at most 5 examples",
+        ),
+        (
+            {"tasks": ["gsm8k"], "num_fewshot": 11},
+            "--num-fewshot 11: GSM8K's train split (its few-shot examples) has 10 rows, so at most 10",
+        ),
+        ({"tasks": ["mmlu"], "num_fewshot": 6, "mmlu_dir": None}, "MMLU's dev split has 5 rows for every subject"),
+        ({"tasks": ["gsm8k"], "num_fewshot": -1}, "--num-fewshot -1: must be at least 0"),
+        ({"tasks": ["gsm8k"], "limit": 0}, "--limit 0: must be at least 1 or unset"),
+        ({"tasks": ["gsm8k"], "batch_size": 0}, "--batch-size 0: must be at least 1"),
+        ({"tasks": ["gsm8k"], "max_gen_toks": 0}, "--max-gen-toks 0: must be at least 1 or unset"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_before_any_model(data, settings, said):
+    """MMLU's dev split holds exactly 5 rows per subject: a 6-shot run once failed every evaluation with lm-eval's
+    "Sample larger than population" and finished with no scores; --limit 0 failed late, --batch-size 0 passed."""
+    values = {"mmlu_dir": data["mmlu_csv"], "gsm8k_dir": data["gsm8k_jsonl"], **settings}
+    with pytest.raises(ValueError) as refused:
+        BenchmarkSettings(**values).check()
+    assert said in str(refused.value)
+    BenchmarkSettings(**{**values, "num_fewshot": 5, "limit": 1, "batch_size": 1, "max_gen_toks": None}).check()
 
 
 def test_local_tasks_are_lm_evals_own_prompts_and_metrics(data):

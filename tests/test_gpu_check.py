@@ -56,7 +56,8 @@ def test_the_dry_run_exercises_every_stage_on_the_cpu(tmp_path):
     assert timed["ratio"] == pytest.approx(timed["recipe_s_per_step"] / timed["bare_s_per_step"])
     masking = timed["recipe_s_per_step"] / timed["recipe_masked_s_per_step"]
     assert timed["masking_throughput_ratio"] == pytest.approx(masking)
-    assert timed["document_masking"] is False and len(timed["warmup_losses"]) == 2  # 1 step x 2 micro-batches
+    assert timed["document_masking"] is False
+    assert len(timed["warmup_losses"]) == timed["gradient_accumulation_steps"] > 1  # the dry run warms up 1 step
     assert all(r["bare_s_per_step"] > 0 and r["plan_memory"]["plan_total_gb"] > 0 for r in runs)
     assert (tmp_path / "profile_mb2_ckpt_on.txt").read_text().count("aten::") > 5
     checks = {c["attn_implementation"]: c for c in stages["attention"]["checks"]}

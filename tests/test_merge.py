@@ -2,6 +2,8 @@
 the documents and tokens of a single-machine run (apart from each part's dropped tail), opened by `datasets`."""
 
 import json
+import os
+import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -27,9 +29,10 @@ def test_parts_are_contiguous_balanced_by_bytes_and_cover_every_file_once(tmp_pa
     for index, size in enumerate([500, 20, 20, 300, 300, 10, 800, 50]):
         files.append(str(tmp_path / f"f{index}.jsonl"))
         (tmp_path / f"f{index}.jsonl").write_bytes(b"x" * size)
-    parts = [select_part(files, 3, part) for part in range(3)]
+    sizes = [os.path.getsize(file) for file in files]
+    parts = [select_part(files, 3, part, sizes) for part in range(3)]
     assert sum(parts, []) == files, "in corpus order, each file in exactly one part"
-    assert parts == [select_part(files, 3, part) for part in range(3)], "deterministic"
+    assert parts == [select_part(files, 3, part, sizes) for part in range(3)], "deterministic"
     assert all(parts), "no part is empty here"
 
 
@@ -92,8 +95,6 @@ def test_a_missing_mismatched_or_damaged_part_is_one_line(parted, tmp_path, caps
                        str(tmp_path / "c")])  # fmt: skip
     assert code == 2 and "another seq_len" in capsys.readouterr().err
     damaged = tmp_path / "damaged-part-1"
-    import shutil
-
     shutil.copytree(root / "part-1", damaged)
     shard = sorted((damaged / "data").glob("*.parquet"))[0]
     data = bytearray(shard.read_bytes())
@@ -112,3 +113,50 @@ def test_a_missing_mismatched_or_damaged_part_is_one_line(parted, tmp_path, caps
     (tmp_path / "e" / "notes.txt").write_text("mine")
     assert merge_main([str(root / f"part-{i}") for i in range(3)] + ["--output", str(tmp_path / "e")]) == 2
     assert "is not empty" in capsys.readouterr().err and (tmp_path / "e" / "notes.txt").read_text() == "mine"
+
+
+def test_a_file_still_being_copied_while_the_parts_start_is_never_merged_twice(tmp_path, corpus, capsys):
+    """Parts split the inputs by size: a file that grew between two parts' starts went to two parts, and merge
+    exited 0 with its documents twice. Now each part records the sizes it split by and what it read."""
+    texts = list(iter_texts(corpus["train"]))[:60]
+    inputs = [tmp_path / f"input-{index}.jsonl" for index in range(3)]
+    for index, path in enumerate(inputs):  # of one size each, so that each part takes one file
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[index::3][:12]).ljust(60_000) + "\n")
+    tokenizer, names = str(corpus["tokenizer"]), [str(p) for p in inputs]
+
+    def part(index: int) -> list[str]:
+        return preprocess(tokenizer, names, str(tmp_path / f"part-{index}"), SEQ, 1, num_parts=3, part=index,
+                          log=lambda _: None)["settings"]["inputs"]  # fmt: skip
+
+    assert part(0) == [str(inputs[0].resolve())]
+    with inputs[0].open("a") as grown:  # the copy of input-0 goes on: 7 times its size when parts 1 and 2 start
+        grown.write(inputs[0].read_text() * 6)
+    assert str(inputs[0].resolve()) in part(1)
+    part(2)
+    assert merge_main([str(tmp_path / f"part-{i}") for i in range(3)] + ["--output", str(tmp_path / "merged")]) == 2
+    said = capsys.readouterr().err
+    assert f"{inputs[0].resolve()} was read by parts [0, 1]: its documents would be merged twice" in said, said
+    assert "(the file changed between their starts: part(s) [0] saw " in said and len(said.splitlines()) == 1
+    assert not (tmp_path / "merged" / "manifest.json").exists()
+
+    # parts that agree, then a file edited after its part read it (same size): refused, naming file and part
+    for index in range(3):
+        shutil.rmtree(tmp_path / f"part-{index}")
+        part(index)
+    text = inputs[2].read_text()
+    inputs[2].write_text(text.replace("a", "b", 1) if "a" in text else "x" + text[1:])
+    assert merge_main([str(tmp_path / f"part-{i}") for i in range(3)] + ["--output", str(tmp_path / "merged")]) == 2
+    said = capsys.readouterr().err
+    assert f"{inputs[2].resolve()} changed since part 2 (" in said and "its content changed (same size" in said
+
+
+def test_one_file_named_twice_is_refused_before_any_work(tmp_path, corpus):
+    from data_prep.progress import PreprocessError
+
+    source = tmp_path / "a.jsonl"
+    source.write_text(json.dumps({"text": "hello world"}) + "\n")
+    (tmp_path / "link.jsonl").symlink_to(source)
+    for names in ([source, source], [source, tmp_path / "link.jsonl"], [tmp_path / "*.jsonl"]):
+        with pytest.raises(PreprocessError, match=r"are the same file \(named twice, through a link, or matched"):
+            preprocess(str(corpus["tokenizer"]), [str(n) for n in names], str(tmp_path / "out"), SEQ)
+    assert not (tmp_path / "out").exists()

@@ -142,6 +142,27 @@ def test_cli_text_and_errors(capsys):
 
 
 @pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--peak-tflops", "-312"], "--peak-tflops -312.0: must be a positive number"),
+        (["--peak-tflops", "0"], "--peak-tflops 0.0: must be a positive number"),
+        (["--peak-tflops", "nan", "--search"], "--peak-tflops nan: must be a positive number"),
+        (["--gpus", "0"], "--gpus 0: must be a whole number of at least 1"),
+        (["--nodes", "-1"], "--nodes -1: must be a whole number of at least 1"),
+        (["--gpu-memory-gb", "-80"], "--gpu-memory-gb -80.0: must be a positive number"),
+        (["--host-memory-gb", "0"], "--host-memory-gb 0.0: must be a positive number"),
+        (["--hardware.gpus", "0"], "hardware.gpus 0: must be a whole number of at least 1"),
+        (["--peak_tflops_per_device", "-1"], "peak_tflops_per_device -1.0: must be a positive number"),
+        (["--target-tokens-per-s", "-5"], "--target-tokens-per-s -5.0: must be a positive rate"),
+    ],
+)
+def test_hardware_outside_its_physical_range_is_refused_in_one_line(capsys, args, said):
+    """A negative peak once printed "fits" at -33.7 % MFU and topped --search at -522 %; --gpus 0 divided by zero."""
+    assert planner.main(["--config", str(RECIPE_8), *args]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {said}"
+
+
+@pytest.mark.parametrize(
     ("script", "recipe"),
     [("llama70b_1x8.sbatch", "llama70b_a800x8.yaml"), ("llama70b_2x8.sbatch", "llama70b_a800x16.yaml")],
 )

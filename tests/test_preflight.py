@@ -102,6 +102,61 @@ def test_a_missing_benchmark_directory_is_refused(corpus, tmp_path):
     assert f"mmlu_dir {tmp_path / 'no_mmlu'} does not exist" in said
 
 
+def test_a_few_shot_count_larger_than_the_few_shot_split_is_refused(corpus, tmp_path):
+    """Once every in-loop evaluation failed ("Sample larger than population") and the run ended 0 with no scores."""
+    from eval import fixtures
+
+    data = fixtures.write(tmp_path / "eval_data")
+    said = preflight_refusal(corpus, tmp_path / "out", eval_tasks="[mmlu]", mmlu_dir=data["mmlu_csv"],
+                             eval_num_fewshot=6)  # fmt: skip
+    assert said.startswith("eval_num_fewshot 6: MMLU's dev split has 5 rows for "), said
+    said = preflight_refusal(corpus, tmp_path / "out", eval_tasks="[gsm8k]", gsm8k_dir=data["gsm8k_jsonl"],
+                             per_device_eval_batch_size=1, eval_max_gen_toks=0)  # fmt: skip
+    assert said == "eval_max_gen_toks 0: must be at least 1 or unset"
+
+
+def test_a_validation_set_that_yields_no_row_is_refused_before_the_model(corpus, tmp_path):
+    """It used to be read after the model was built, and ended in a traceback with exit 1 (a requeue, forever)."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    said = preflight_refusal(corpus, tmp_path / "out", validation_files=empty)
+    assert said.startswith(f"validation_files ['{empty}'] yield no full row of 128 tokens"), said
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": "a few words"}\n')
+    assert "yield no full row" in preflight_refusal(corpus, tmp_path / "out", validation_files=short)
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_in_one_line(corpus, tmp_path, monkeypatch):
+    """It used to end in a PermissionError traceback with exit 1, which a scheduler following the docs requeues."""
+    import errno
+    import os
+    from pathlib import Path
+
+    from recipes.training import output_dir
+
+    def refusal(target) -> str:
+        config = load_config(TINY_RECIPE, tiny_overrides(corpus, target)[2:])
+        with pytest.raises(ConfigError) as refused:
+            output_dir.lock(config)
+        return str(refused.value)
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert refusal(blocker / "run").startswith(f"output_dir {blocker / 'run'}: cannot write ")
+    assert "(File exists); choose a directory this user can create and write" in refusal(blocker)
+    if os.geteuid() != 0:
+        (tmp_path / "ro").mkdir(mode=0o500)
+        assert "(Permission denied)" in refusal(tmp_path / "ro" / "run")
+    else:  # root writes anywhere: the file system's refusal is made here, as a read-only mount would make it
+
+        def read_only(self, *args, **kwargs):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+        monkeypatch.setattr(Path, "mkdir", read_only)
+        assert f"cannot write {tmp_path / 'ro'} (Read-only file system)" in refusal(tmp_path / "ro")
+    assert blocker.read_text() == ""
+
+
 def test_a_directory_made_for_another_row_length_is_refused(corpus, tmp_path):
     from data_prep.preprocess import preprocess
 

@@ -233,3 +233,51 @@ def test_packed_rows_refuse_another_tokenizer_or_length(preprocessed, corpus, tm
     tokenizer.add_tokens(["<|extra|>"])
     with pytest.raises(ValueError, match="was tokenized with"):
         rows.check_matches(tokenizer, "other", SEQ)
+
+
+def test_a_resume_refuses_an_input_changed_under_the_same_name(tmp_path, corpus, monkeypatch):
+    """Re-shuffled in place after a kill (the docs advise shuffling), the same command used to resume into another
+    file's positions: exit 0, "resumed", 657 of 862 documents, the rest silently lost."""
+    import random
+
+    from data_prep import pipeline
+
+    paragraphs = [p for text in iter_texts(corpus["train"]) for p in text.split("\n\n") if p.strip()]
+    source = tmp_path / "paragraphs.jsonl"
+    lines = [json.dumps({"text": p}) + "\n" for p in paragraphs]
+    source.write_text("".join(lines))
+    out, arguments = tmp_path / "out", dict(seq_len=SEQ, num_workers=1, rows_per_shard=150, log=lambda _: None)
+
+    class Killed(Exception):
+        pass
+
+    def killed_after_the_first_save(*args, **kwargs):
+        save_progress(*args, **kwargs)
+        raise Killed
+
+    save_progress = pipeline.save_progress
+    monkeypatch.setattr(pipeline, "save_progress", killed_after_the_first_save)
+    with pytest.raises(Killed):
+        preprocess(str(corpus["tokenizer"]), [str(source)], str(out), **arguments)
+    monkeypatch.undo()
+    with pytest.raises(
+        PreprocessError, match="rows_per_shard is 150 there, 99 now.*to continue it, run the command it"
+    ):
+        preprocess(str(corpus["tokenizer"]), [str(source)], str(out), **{**arguments, "rows_per_shard": 99})
+    original = source.read_bytes()
+    random.Random(0).shuffle(lines)
+    source.write_text("".join(lines))
+    with pytest.raises(PreprocessError) as refused:
+        preprocess(str(corpus["tokenizer"]), [str(source)], str(out), **arguments)
+    assert str(refused.value) == (
+        f"{out}: --input {source.resolve()} is not the file this output was started on: its content changed (same "
+        "size). A resume must read the same bytes: put the original file back and run again, or start over in a new "
+        "--output"
+    )
+    source.write_bytes(original)  # put back: the same command continues and finishes as one uninterrupted run
+    resumed = preprocess(str(corpus["tokenizer"]), [str(source)], str(out), **arguments)
+    reference = preprocess(str(corpus["tokenizer"]), [str(source)], str(tmp_path / "ref"), **arguments)
+    assert resumed["throughput"]["resumed"] and resumed["shards"] == reference["shards"]
+    # another setting on resume: the advice is the command that would continue it
+    with pytest.raises(PreprocessError, match="is complete: choose a new --output"):
+        preprocess(str(corpus["tokenizer"]), [str(source)], str(out), **{**arguments, "rows_per_shard": 99})

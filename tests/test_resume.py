@@ -170,6 +170,21 @@ def test_early_stopping_exports_the_best_checkpoint(tmp_path, corpus):
         loss = model(input_ids=rows, labels=rows).loss.item()
     evals = {r["step"]: r["eval_loss"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_loss" in r}
     assert loss == pytest.approx(evals[4], abs=0.03) and abs(loss - evals[8]) > 0.03
+    # Resumed with another validation set: its losses are not compared with the old set's best (once the new set's
+    # first loss "did not improve" on the old set's and the run stopped early, exporting an old checkpoint).
+    changed = tmp_path / "validation_reversed.jsonl"
+    changed.write_text("".join(reversed(corpus["validation"].read_text().splitlines(keepends=True))))
+    args = tiny_overrides(
+        corpus, tmp_path, max_steps=12, eval_steps=4, save_steps=100, logging_steps=4, max_eval_samples=16,
+        early_stopping_patience=1, early_stopping_threshold=100.0, validation_files=changed,
+    )  # fmt: skip
+    resumed = launch(REPO / "recipes/pretrain.py", args)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "validation set changed since the last evaluation" in resumed.stderr
+    assert "the old set's best was" in resumed.stderr and "at checkpoint-4)" in resumed.stderr
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    assert summary["steps"] == 12 and summary["stop_reason"].startswith("max_steps"), summary
+    assert summary["best_checkpoint"] == "checkpoint-12"
 
 
 def test_a_blown_up_run_stops_every_rank_without_saving(tmp_path, corpus):

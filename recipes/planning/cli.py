@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         hardware = hardware_from(config, **{key: getattr(args, key) for key in (
             *HARDWARE_KEYS, "peak_tflops")})  # fmt: skip
         ds_config = load_deepspeed_json(args.deepspeed_config)
+        if args.target_tokens_per_s is not None and not args.target_tokens_per_s > 0:
+            raise ConfigError(f"--target-tokens-per-s {args.target_tokens_per_s}: must be a positive rate")
         plan = make_plan(config, hardware, ds_config, target_tokens_per_s=args.target_tokens_per_s)
         if args.days is not None and (args.days <= 0 or not plan.expected_tokens_per_s):
             raise ConfigError(f"--days {args.days}: needs a positive number of days and a peak (--peak-tflops or "

@@ -66,7 +66,10 @@ def hardware_from(config: PretrainConfig, **overrides) -> Hardware:
     }
     wires = {key: block[key] for key in WIRE_KEYS if block.get(key) is not None}
     wires.update({key: overrides.pop(key) for key in WIRE_KEYS if overrides.get(key) is not None})
-    values.update({k: v for k, v in overrides.items() if v is not None and k not in WIRE_KEYS})
+    given = {k: v for k, v in overrides.items() if v is not None and k not in WIRE_KEYS}
+    values.update(given)
+    for key in ("gpus", "nodes", "gpu_memory_gb", "host_memory_gb", "peak_tflops"):
+        _check_physical(key, values[key], f"--{key.replace('_', '-')}" if key in given else RECIPE_NAMES[key])
     hardware = Hardware(**values, wires=wires)
     if hardware.profile and hardware.profile not in GPU_PROFILES:
         raise ConfigError(f"hardware profile {hardware.profile!r} is not one of {', '.join(sorted(GPU_PROFILES))}")
@@ -88,6 +91,22 @@ def hardware_from(config: PretrainConfig, **overrides) -> Hardware:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return hardware
+
+
+RECIPE_NAMES = {"gpus": "hardware.gpus", "nodes": "hardware.nodes", "gpu_memory_gb": "hardware.gpu_memory_gb",
+                "host_memory_gb": "hardware.host_memory_gb", "peak_tflops": "peak_tflops_per_device"}  # fmt: skip
+
+
+def _check_physical(key: str, value, name: str) -> None:
+    """A count of at least one, or an amount above zero: anything else makes every number of the plan a lie (a
+    negative peak once printed "fits" at -33.7 % MFU). None: not known, and the plan says what it then skips."""
+    if value is None:
+        return
+    if key in ("gpus", "nodes"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} {value!r}: must be a whole number of at least 1")
+    elif isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise ConfigError(f"{name} {value!r}: must be a positive number")
 
 
 def live_hardware(config: PretrainConfig, world_size: int) -> Hardware:

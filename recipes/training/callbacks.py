@@ -24,7 +24,7 @@ from recipes.telemetry import metrics
 from recipes.training.attention import DocumentMasking
 from recipes.training.interface import Control, StepResult, TrainerView
 from recipes.training.run_state import LossSpikeRule, Stop, StopReason
-from recipes.training.validation import validation_loss
+from recipes.training.validation import rows_sha256, validation_loss
 
 if TYPE_CHECKING:
     from eval.harness import BenchmarkSettings
@@ -182,6 +182,7 @@ class Validation(Callback):
                  patience: int | None, threshold: float):  # fmt: skip
         self.rows, self.eval_steps, self.batch_size, self.masking = rows, eval_steps, batch_size, masking
         self.patience, self.threshold = patience, threshold
+        self.rows_sha256 = rows_sha256(rows)  # the best loss and the patience count belong to this set
 
     def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         if not trainer.due(self.eval_steps):
@@ -190,6 +191,9 @@ class Validation(Callback):
         eval_loss = validation_loss(trainer.model, trainer.accelerator, self.rows, self.batch_size, self.masking)
         trainer.metrics.write(state.step, {"eval_loss": eval_loss})
         logger.info("step %d: eval_loss %.4f", state.step, eval_loss)
+        restarted = state.key_best_to(self.rows_sha256)  # after a resume (or a rollback) with another set
+        if restarted:
+            logger.warning("%s", restarted)
         if state.best_eval_loss is None or eval_loss < state.best_eval_loss - self.threshold:
             state.best_eval_loss, state.evaluations_without_improvement = eval_loss, 0
             state.best_checkpoint = f"checkpoint-{state.step}"

@@ -97,17 +97,29 @@ def prepare(config: PretrainConfig, ds_config: dict) -> None:
         (output_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, default=str))
 
 
+# Errors of the place, not of the moment: another launch fails the same way, so they are bad input (exit 2, which
+# a scheduler does not requeue), said in one line.
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR)
+
+
 @contextlib.contextmanager
 def disk_errors_named(output_dir: Path):
-    """A full disk or quota while a launch writes its first files: one line with the free space, not a
-    traceback (a full disk during training is a failed save: exit 4, the previous checkpoint intact)."""
+    """A full disk or quota, or a directory this user cannot write, while a launch writes its first files: one line
+    (with the free space), not a traceback (a full disk during training is a failed save: exit 4, the previous
+    checkpoint intact)."""
     try:
         yield
     except OSError as error:
+        where = error.filename or "a file"
+        if error.errno in NOT_WRITABLE:
+            raise ConfigError(
+                f"output_dir {output_dir}: cannot write {where} ({error.strerror}); choose a directory this user can "
+                "create and write, or fix its permissions"
+            ) from None
         if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
         free_gb = shutil.disk_usage(output_dir).free / 1e9 if output_dir.exists() else float("nan")
         raise ConfigError(
-            f"output_dir {output_dir}: {error.strerror} writing {error.filename or 'a file'} ({free_gb:.1f} GB free); "
+            f"output_dir {output_dir}: {error.strerror} writing {where} ({free_gb:.1f} GB free); "
             "make room and relaunch: the run resumes from its last checkpoint"
         ) from None

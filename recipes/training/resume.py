@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from common.files import sha256_of
+from common.files import fingerprint, sha256_of
 from data_prep.format import MANIFEST as DATA_MANIFEST
 from data_prep.format import is_preprocessed, tokenizer_identity
 from recipes.config import MODEL_CONFIG_KEYS, PretrainConfig, config_from_dict
@@ -38,8 +38,10 @@ RUN_DEFINING = {
 
 
 def data_identity(train_files: list[str]) -> list[dict[str, Any]]:
-    """A preprocessed directory by its manifest's hash; raw files by name and size (hashing terabytes of raw text
-    at every start would cost hours); hub datasets by name. Moving the data to another path keeps its identity."""
+    """A preprocessed directory by its manifest's hash; raw files by name, size and a sampled hash
+    (common.files.fingerprint: 128 KiB read per file; hashing terabytes of raw text at every start would cost hours),
+    so a file re-shuffled under its name is another input; hub datasets by name. Moving the data to another path
+    keeps its identity."""
     if len(train_files) == 1 and is_preprocessed(train_files[0]):
         return [{"preprocessed_manifest_sha256": sha256_of(Path(train_files[0]) / DATA_MANIFEST)}]
     from data_prep.readers import resolve_sources
@@ -47,8 +49,19 @@ def data_identity(train_files: list[str]) -> list[dict[str, Any]]:
     identity = []
     for source in resolve_sources(train_files, "train_files"):
         path = Path(source)
-        identity.append({"name": path.name, "bytes": path.stat().st_size} if path.is_file() else {"name": source})
+        identity.append({"name": path.name, **fingerprint(path)} if path.is_file() else {"name": source})
     return identity
+
+
+def _comparable(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """`current` as a checkpoint of an older version recorded it: raw files without their sampled hash, when the
+    checkpoint's entries have none (it cannot be compared; name and size still are)."""
+    before, now = saved.get("train_data"), current.get("train_data")
+    if not isinstance(before, list) or not isinstance(now, list):
+        return current
+    if any("sample_sha256" in entry for entry in before if isinstance(entry, dict)):
+        return current
+    return {**current, "train_data": [{k: v for k, v in entry.items() if k != "sample_sha256"} for entry in now]}
 
 
 def mixture_identity(config: PretrainConfig) -> list[dict[str, Any]]:
@@ -93,7 +106,7 @@ def saved_identity(path: Path, tokenizer) -> dict[str, Any]:
 def identity_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Each differing value, named (`model_shape.num_hidden_layers: 4 -> 2`). Mixture weights are compared as the
     shares they blend to ([7, 3] is [0.7, 0.3]), and a mixture is shown whole."""
-    saved, current = as_shares(saved), as_shares(current)
+    saved, current = as_shares(saved), as_shares(_comparable(saved, current))
     changes = []
     for key, meaning in RUN_DEFINING.items():
         if key not in saved or saved[key] == current[key]:

@@ -23,6 +23,20 @@ class RunState:
     best_eval_loss: float | None = None
     evaluations_without_improvement: int = 0
     best_checkpoint: str | None = None
+    validation_sha256: str | None = None  # the set best_eval_loss was measured on (recipes.training.validation)
+
+    def key_best_to(self, validation_sha256: str) -> str | None:
+        """Keep the best loss and the patience count only if they were measured on this validation set; otherwise
+        start both over (the old best checkpoint loses its protection from rotation) and say so. A checkpoint made
+        before the set was recorded keeps its best: there is nothing to compare."""
+        previous, self.validation_sha256 = self.validation_sha256, validation_sha256
+        if previous is None or previous == validation_sha256 or self.best_eval_loss is None:
+            return None
+        said = (f"validation set changed since the last evaluation (sha256 {previous[:12]} -> "
+                f"{validation_sha256[:12]}): early stopping and the best checkpoint start over with this one (the old "
+                f"set's best was {self.best_eval_loss:.4f} at {self.best_checkpoint})")  # fmt: skip
+        self.best_eval_loss, self.evaluations_without_improvement, self.best_checkpoint = None, 0, None
+        return said
 
     def state_dict(self) -> dict:
         return asdict(self)

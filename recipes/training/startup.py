@@ -112,7 +112,7 @@ class RunInputs:
     model_config: object  # transformers.LlamaConfig
     attn_implementation: str
     train_source: object  # PackedRows, MixedRows, or raw file paths
-    validation_sources: list[str]
+    validation_rows: torch.Tensor | None  # held-out rows, identical on every rank; None without validation_files
     benchmarks: BenchmarkSettings | None
     identity: dict  # what defines the run: a checkpoint of another run is not resumed (recipes.training.resume)
     predictions: dict  # the plan's step time, tokens/s and peak memory, put beside the measured ones at the end
@@ -138,7 +138,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer {config.tokenizer_name_or_path} has no EOS token; packing needs one")
     train_source = open_train_source(config, tokenizer, accelerator.num_processes)
-    validation_sources = resolve_sources(config.validation_files, "validation_files")
+    validation = validation_rows(config, tokenizer)
     model_config = llama_config(config, len(tokenizer))
     validate_against_model(
         config,
@@ -148,7 +148,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     )
     benchmarks = benchmark_settings(config)
     if benchmarks:
-        benchmarks.check()  # data directories load, before the model costs anything
+        benchmarks.check(RECIPE_KEYS)  # numbers and data directories, before the model costs anything
         logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
     slow_bf16 = bf16_emulation_warning(config.bf16, torch.cuda.is_available(), cpu_has_native_bf16())
     if slow_bf16:
@@ -177,7 +177,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         model_config,
         attn_implementation,
         train_source,
-        validation_sources,
+        validation,
         benchmarks,
         identity,
         plan_predictions(plan),
@@ -199,17 +199,24 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
             raise ConfigError(message) from None
 
 
-def validation_rows(config: PretrainConfig, inputs: RunInputs):
-    """Held-out rows, identical on every rank; None without validation_files."""
-    if not inputs.validation_sources:
+def validation_rows(config: PretrainConfig, tokenizer) -> torch.Tensor | None:
+    """Held-out rows, identical on every rank (each reads them); None without validation_files. Read in preflight:
+    a validation set that yields nothing is a bad input (exit 2), found before the model is built."""
+    sources = resolve_sources(config.validation_files, "validation_files")
+    if not sources:
         return None
-    from recipes.training.validation import load_validation_rows
+    from recipes.training.validation import load_validation_rows, rows_sha256
 
-    rows = load_validation_rows(
-        inputs.validation_sources, inputs.tokenizer, config.max_seq_length, config.text_field, config.max_eval_samples
+    rows = load_validation_rows(sources, tokenizer, config.max_seq_length, config.text_field, config.max_eval_samples)
+    logger.info(
+        "validation: %d rows of %d tokens (sha256 %s)", len(rows), config.max_seq_length, rows_sha256(rows)[:12]
     )
-    logger.info("validation: %d rows of %d tokens", len(rows), config.max_seq_length)
     return rows
+
+
+# BenchmarkSettings' fields as the recipe names them, for its messages
+RECIPE_KEYS = {"tasks": "eval_tasks", "limit": "eval_limit", "num_fewshot": "eval_num_fewshot",
+               "batch_size": "per_device_eval_batch_size", "max_gen_toks": "eval_max_gen_toks"}  # fmt: skip
 
 
 def benchmark_settings(config: PretrainConfig) -> BenchmarkSettings | None:

@@ -201,12 +201,12 @@ def metrics_writer(config: PretrainConfig, accelerator, planned_tokens_per_s: fl
 def build_trainer(config: PretrainConfig, launch: Launch) -> Trainer:
     """The model, the Trainer with its callbacks and checkpointer, restored from the chosen checkpoint."""
     from recipes.architecture import training_flops_per_token
-    from recipes.training import resume, startup
+    from recipes.training import resume
     from recipes.training.callbacks import callbacks_for
     from recipes.training.model import build_engine
 
     accelerator, inputs, run_dir = launch.accelerator, launch.inputs, Path(config.output_dir)
-    validation_rows = startup.validation_rows(config, inputs)
+    validation_rows = inputs.validation_rows
     model, optimizer, num_params = build_engine(
         config, inputs.model_config, inputs.attn_implementation, launch.ds_config, accelerator, launch.universal
     )

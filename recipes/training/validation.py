@@ -27,6 +27,14 @@ def load_validation_rows(sources, tokenizer, seq_len: int, text_field: str, max_
     return torch.stack(rows)
 
 
+def rows_sha256(rows: torch.Tensor) -> str:
+    """The validation set's identity: the exact tokens evaluated (files, tokenizer, row length and max_eval_samples
+    all change it). Losses on two sets are not comparable, so the best loss is kept per set."""
+    import hashlib
+
+    return hashlib.sha256(rows.to(torch.int64).numpy().tobytes()).hexdigest()
+
+
 def rank_batches(rows: torch.Tensor, rank: int, world_size: int, batch_size: int):
     """This rank's batches as (input_ids, weight) pairs; every rank gets the same number of batches."""
     mine = rows[rank::world_size]
