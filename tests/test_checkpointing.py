@@ -175,3 +175,15 @@ def test_a_raw_training_file_shuffled_under_its_name_is_another_run(tmp_path):
     older = {"train_data": [{"name": "train.jsonl", "bytes": source.stat().st_size}]}
     assert identity_changes(older, {"train_data": data_identity([str(source)])}) == []
     assert identity_changes(older, {"train_data": [{"name": "train.jsonl", "bytes": 1, "sample_sha256": "x"}]})
+
+
+def test_a_max_steps_below_the_reached_step_is_refused_naming_both(tmp_path):
+    from recipes.training.resume import steps_problem
+
+    checkpoint = tmp_path / "checkpoint-12"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"run_state": {"step": 12}}))
+    assert steps_problem(16, checkpoint) is None and steps_problem(12, checkpoint) is None
+    said = steps_problem(8, checkpoint)
+    assert said.startswith("max_steps / total_tokens give 8 steps, but checkpoint-12 is at step 12")
+    assert "Raise max_steps to continue it" in said

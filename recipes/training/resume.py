@@ -189,3 +189,16 @@ def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: Train
             saved_world,
             world_size,
         )
+
+
+def steps_problem(total_steps: int, path: Path) -> str | None:
+    """A run asked to stop before the step its checkpoint already reached: it used to be ignored silently (and the
+    lower value written into config.yaml). Equal is a finished run relaunched: it exports again, as before."""
+    reached = checkpointing.read_trainer_state(path)["run_state"]["step"]
+    if total_steps >= reached:
+        return None
+    return (
+        f"max_steps / total_tokens give {total_steps} steps, but {path.name} is at step {reached}: a run cannot "
+        f"stop before where it is. Raise max_steps to continue it, or export {path} as it is with "
+        "python -m recipes.export"
+    )

@@ -275,6 +275,9 @@ def check_launch(config: PretrainConfig) -> Launch:
     resume_from = resume.choose_checkpoint(config, accelerator)
     if resume_from:
         resume.check_resumable(resume_from, inputs.identity, inputs.tokenizer, data, world)
+        problem = resume.steps_problem(config.total_steps(world), resume_from)
+        if problem:
+            raise ConfigError(problem)
     # on the main process, and an error there stops every rank
     on_main_process(lambda: output_dir.prepare(config, ds_config), catch=(ConfigError,))
     signals = StopSignals()  # from here a preemption signal waits for the next step boundary
