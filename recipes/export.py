@@ -20,9 +20,12 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +40,7 @@ from recipes.config import ConfigError, PretrainConfig, config_from_dict
 from recipes.training import checkpointing
 
 if TYPE_CHECKING:
-    from recipes.training.run_state import Stop
+    from recipes.training.run_state import Stop, StopSignals
     from recipes.training.startup import Launch
     from recipes.training.trainer import Trainer
 
@@ -94,7 +97,7 @@ def export_checkpoint(
         reads["the run directory"] = checkpoint.parent
     check_output(output, overwrite, reads)
     try:
-        with FileLock(output.parent / f".{output.name}.export-lock", what="another export to this --output"), \
+        with FileLock(checkpointing.export_staging(output)[1], what="another export to this --output"), \
                 FileLock(checkpointing.reader_pin(checkpoint), shared=True):  # fmt: skip
             if verify:
                 bad = verified_problems(checkpoint, skip_missing_rank_shards=universal_only)
@@ -148,8 +151,10 @@ def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, 
     except TokenizerLoadError as error:
         raise ConfigError(str(error)) from None
     model_config = with_token_ids(llama_config(config, len(tokenizer)), tokenizer)
-    staging = output.with_name(f".{output.name}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = checkpointing.export_staging(output)[0]
+    if staging.exists():  # this process holds the lock: whoever wrote it is gone
+        logger.warning("removing %s, left by an export to %s that was killed", staging, output)
+        shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         _write_weights(checkpoint, staging, dtype, max_shard_size, model_config)
@@ -226,6 +231,34 @@ def _write_universal_weights(zero_dir: Path, staging: Path, dtype: str, max_shar
         (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+class ExportInterrupted(BaseException):
+    """A stop signal during the final export: the checkpoint is complete, final/ is not written (a relaunch of the
+    same command exports it); the rank exits 0 as for any stop signal. A BaseException, as KeyboardInterrupt is, so
+    that no library's `except Exception` on the way swallows it."""
+
+
+@contextmanager
+def _abandoned_on_stop_signal(signals: StopSignals, source: Path, output: Path) -> Iterator[None]:
+    """Slurm's preemption gives a job KillWait (30 s by default) between SIGTERM and SIGKILL, less than a 70B export
+    takes (~140 GB): a signal before or during the export abandons it at once (its staging is removed on the way
+    out) instead of being killed halfway, and the run exits as a stopped run, 0."""
+    advice = (f"{source.name} is saved and complete; final/ was not written: relaunch the same command to export it, "
+              f"or run python -m recipes.export {source} --output {output} --overwrite")  # fmt: skip
+
+    def interrupt(signum, frame):
+        raise ExportInterrupted(f"stop signal ({signal.Signals(signum).name}) during the final export: {advice}")
+
+    if signals.received is not None:
+        raise ExportInterrupted(f"stop signal ({signal.Signals(signals.received).name}) before the final export: "
+                                f"{advice}")  # fmt: skip
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: Stop, started: float) -> None:
     """`final/` from the best checkpoint after early stopping, else from this step's (saved now if it is not
     yet), then the summary, report and loss plot. The main process writes; the other ranks are done."""
@@ -244,9 +277,10 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
     if not trainer.accelerator.is_main_process:
         return
     dtype = "bfloat16" if config.bf16 else "float16" if config.fp16 else "float32"
-    # the ranks hashed the checkpoint as they saved it: no second read of ~1 TB at 70B before final/
-    final_dir = export_checkpoint(source, run_dir / "final", dtype=dtype, overwrite=True, verify=False,
-                                  run_may_hold_output=True)  # fmt: skip
+    with _abandoned_on_stop_signal(trainer.signals, source, run_dir / "final"):
+        # the ranks hashed the checkpoint as they saved it: no second read of ~1 TB at 70B before final/
+        final_dir = export_checkpoint(source, run_dir / "final", dtype=dtype, overwrite=True, verify=False,
+                                      run_may_hold_output=True)  # fmt: skip
     summary = dict(
         steps=state.step, stop_reason=str(stop), best_eval_loss=state.best_eval_loss,
         best_checkpoint=state.best_checkpoint, wall_seconds=time.perf_counter() - started,

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         return report_error(error)
     # torch and DeepSpeed are imported only now, so that --help and a bad config answer at once
-    from recipes.export import export_run
+    from recipes.export import ExportInterrupted, export_run
     from recipes.training.checkpointing import CheckpointError, CheckpointSaveError
     from recipes.training.run_state import StopReason, TrainingFault
     from recipes.training.startup import check_launch
@@ -49,18 +49,23 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(error)
     trainer = build_trainer(config, launch)
 
+    code = None  # a crash (a traceback) has no code to serve: Prometheus sees the endpoint go as a dead run's
     try:
         stop = trainer.fit()
         logger.info("training stopped after %d steps: %s", trainer.state.step, stop)
         if stop.reason is not StopReason.STOP_SIGNAL:  # a stopped run is continued later, not exported
             export_run(config, launch, trainer, stop, started)
-        return 0
+        code = 0
+    except ExportInterrupted as interrupted:  # the checkpoint is complete: a relaunch exports final/ again
+        logger.warning("%s", interrupted)
+        code = 0
     except (TrainingFault, CheckpointSaveError, DataStallError, ConfigError) as error:
         logger.error("%s", error)
-        return {TrainingFault: 3, CheckpointSaveError: 4, DataStallError: 5, ConfigError: 2}[type(error)]
+        code = {TrainingFault: 3, CheckpointSaveError: 4, DataStallError: 5, ConfigError: 2}[type(error)]
     finally:
-        trainer.metrics.close()
         trainer.accelerator.end_training()  # finishes the trackers' runs
+        trainer.metrics.close(code, config.metrics_linger_s)  # the endpoint says how the run ended, then goes
+    return code
 
 
 def report_error(error: Exception) -> int:

@@ -96,11 +96,14 @@ def test_a_split_document_tokenizes_as_the_whole_one_and_counts_once(tmp_path, c
     assert [s["sha256"] for s in pieces["shards"]] == [s["sha256"] for s in whole["shards"]]
 
 
-def test_a_50_mb_document_is_tokenized_in_bounded_memory(tmp_path, corpus):
+def test_a_20_mb_document_is_tokenized_in_bounded_memory(tmp_path, corpus):
+    """Tokenized whole, a 50 MB document took 7.1 GB (the tokenizer's memory grows with the document); in pieces the
+    tree stays under 1 GB whatever the size. 20 MB rather than 50 keeps the whole-document way far over that bar in
+    less time."""
     words = [w for t in list(iter_texts(corpus["train"]))[:50] for w in t.split()]
     rng = random.Random(0)
     chunks, size = [], 0
-    while size < 50_000_000:
+    while size < 20_000_000:
         chunk = " ".join(rng.choice(words) for _ in range(2000))
         chunks.append(chunk)
         size += len(chunk) + 1
@@ -127,7 +130,7 @@ def test_a_50_mb_document_is_tokenized_in_bounded_memory(tmp_path, corpus):
     assert process.returncode == 0, stderr.decode()[-3000:]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     print(
-        f"50 MB document: tree peak {peak_mb[0]:.0f} MB; manifest main {manifest['throughput']['peak_rss_mb_main']:.0f}"
+        f"20 MB document: tree peak {peak_mb[0]:.0f} MB; manifest main {manifest['throughput']['peak_rss_mb_main']:.0f}"
         f" MB, worker {manifest['throughput']['peak_rss_mb_worker']:.0f} MB"
     )
     assert manifest["num_documents"] == 1
@@ -182,6 +185,7 @@ def kill_repeatedly(corpus, source, out, kills: int, seed: int, extra=()) -> int
     finished = subprocess.run(preprocess_command(corpus, source, out, extra=extra), cwd=REPO, env=LAUNCH_ENV,
                               capture_output=True, text=True, timeout=600)  # fmt: skip
     assert finished.returncode == 0, finished.stderr[-3000:]
+    assert landed == 0 or "resuming after shard" in finished.stdout, finished.stdout[-2000:]
     return landed
 
 
@@ -209,9 +213,10 @@ def reference(tmp_path_factory, corpus):
 
 def test_kills_at_random_moments_never_change_the_output(tmp_path, corpus, reference):
     source, expected = reference
-    landed = kill_repeatedly(corpus, source, tmp_path / "killed", kills=12, seed=1)
+    # 6 kills here (each costs a process start, ~2 s); test_many_kills_never_change_the_output (-m slow) lands 90
+    landed = kill_repeatedly(corpus, source, tmp_path / "killed", kills=6, seed=1)
     print(f"{landed} kills landed after a progress save")
-    assert landed >= 5, "the kills must land while the run is working"
+    assert landed >= 3, "the kills must land while the run is working"
     manifest = json.loads((tmp_path / "killed" / "manifest.json").read_text())
     assert manifest["throughput"]["resumed"], "the last start continued from saved progress"
     assert_same_output(manifest, expected)
@@ -225,8 +230,8 @@ def test_kills_with_dedup_and_documents_in_pieces_never_change_the_output(tmp_pa
     expected = preprocess(str(corpus["tokenizer"]), [str(source)], str(tmp_path / "ref"), SEQ, 2, rows_per_shard=50,
                           max_document_chars=200, filters=FilterSpec([], dedup=True))  # fmt: skip
     assert expected["skipped"]["duplicate"] > expected["num_documents"], "two of three copies go"
-    landed = kill_repeatedly(corpus, source, tmp_path / "killed", kills=6, seed=2, extra=extra)
-    assert landed >= 3, "the kills must land while the run is working"
+    landed = kill_repeatedly(corpus, source, tmp_path / "killed", kills=4, seed=2, extra=extra)
+    assert landed >= 2, "the kills must land while the run is working"
     assert_same_output(json.loads((tmp_path / "killed" / "manifest.json").read_text()), expected)
 
 

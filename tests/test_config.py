@@ -8,6 +8,7 @@ from recipes.config import (
     ConfigError,
     PretrainConfig,
     config_from_dict,
+    elastic_accumulation,
     load_config,
     validate_against_model,
     validate_for_world,
@@ -132,6 +133,9 @@ def test_yaml_exponent_floats_without_dot_are_numbers():
         (minimal(prometheus_port=70000), ["prometheus_port", "1-65535"]),
         (minimal(prometheus_port=0), ["prometheus_port"]),
         (minimal(hang_timeout_s=0), ["hang_timeout_s"]),
+        (minimal(metrics_linger_s=-1), ["metrics_linger_s", "0-600"]),
+        (minimal(elastic=True), ["elastic", "global_batch_size"]),
+        (minimal(elastic=True, global_batch_size=100, per_device_train_batch_size=8), ["global_batch_size", "8"]),
         (minimal(lr_scheduler_kwargs={"min_lr": "abc"}), ["lr_scheduler_kwargs.min_lr", "expected float"]),
     ],
 )
@@ -148,6 +152,15 @@ def test_world_size_must_give_the_global_batch():
         validate_for_world(config, world_size=16)
     message = str(error.value)
     assert "global_batch_size is 128" in message and "256" in message and "Launch on 8 processes" in message
+
+
+def test_an_elastic_run_keeps_its_global_batch_on_any_world_size_that_can():
+    config = load_config(REPO / "recipes/configs/llama70b_a800x16.yaml")
+    assert config.elastic, "the 2-node recipe continues on one node (its sbatch script asks for 1-2 nodes)"
+    assert [elastic_accumulation(config, world) for world in (16, 8, 4, 1)] == [4, 8, 16, 64]
+    with pytest.raises(ConfigError) as error:
+        elastic_accumulation(config, 12)
+    assert "cannot be kept on 12 processes" in str(error.value) and "1, 2, 4, 8, 16, 32, 64" in str(error.value)
 
 
 def test_max_steps_is_derived_from_tokens_and_floored():

@@ -45,21 +45,32 @@ def scraped_run(args, output_dir):
         "pretrain_tokens_per_second",
         "pretrain_planned_tokens_per_second",
         "up",
+        "pretrain_run_exit_code",
     ):  # what the alert rules read
         queries[f"alert input {name}"] = f'{name}{{job="pretrain"}}'  # fmt: skip
     with prometheus_server.Prometheus(output_dir.parent / "prometheus", f"127.0.0.1:{port}") as server:
-        process = start(launch_command(REPO / "recipes/pretrain.py", [*args, "--prometheus_port", str(port)]),
+        process = start(launch_command(REPO / "recipes/pretrain.py", [*args, "--prometheus_port", str(port),
+                                                                      "--metrics_linger_s", "3"]),
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
         while process.poll() is None:
             seen |= {name for name, expr in queries.items() if name not in seen and server.series(expr)}
             rules = server.rules()
             time.sleep(0.5)
         stdout, stderr = process.communicate()
+        deadline = time.time() + 30
+        while not server.series('up{job="pretrain"} == 0') and time.time() < deadline:
+            time.sleep(0.5)
+        # the finished run's endpoint is down, having served exit code 0: not an endpoint-down alert
+        ended = server.series('last_over_time(pretrain_run_exit_code{job="pretrain"}[10m])')
+        down_expr = next(r["query"] for r in server.rules() if r["name"] == "PretrainEndpointDown")
+        assert server.series('up{job="pretrain"} == 0') and server.series(down_expr) == [], (ended, down_expr)
+        assert [float(s["value"][1]) for s in ended] == [0.0]
     assert process.returncode == 0, stderr[-4000:]
     gpu_only = {name for name, expr in queries.items() if "gpu_memory" in expr and not torch.cuda.is_available()}
     assert set(queries) - gpu_only <= seen, f"panels whose query found no series: {set(queries) - gpu_only - seen}"
     assert {rule["name"] for rule in rules} == {"PretrainNoOptimizerStep", "PretrainLossNotFinite",
-                                                "PretrainThroughputBelowPlan", "PretrainEndpointDown"}  # fmt: skip
+                                                "PretrainThroughputBelowPlan", "PretrainEndpointDown",
+                                                "PretrainRunFailed"}  # fmt: skip
     for rule in rules:
         assert rule["health"] == "ok" and not rule.get("lastError"), rule
     return subprocess.CompletedProcess(args, 0, stdout, stderr), read_metrics(output_dir / "metrics.jsonl")

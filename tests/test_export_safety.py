@@ -1,9 +1,12 @@
 """`python -m recipes.export` against what real runs do to it: a damaged checkpoint, an output that holds what it
 reads, two exports at once, a failure half way. Each case ends in one line, exit code 2, and nothing lost or left."""
 
+import copy
+import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -89,3 +92,63 @@ def test_exporting_an_exported_model_says_what_it_is(trained_run, tmp_path):
     result = export(final, "--output", tmp_path / "model")
     assert result.returncode == 2
     assert "is an exported model directory already (export.json): use it as it is" in result.stderr
+
+
+def test_a_stop_signal_during_the_final_export_abandons_it_and_leaves_nothing(run, monkeypatch):
+    """Slurm's preemption sends SIGTERM and, KillWait later (30 s), SIGKILL: a 70B final/ export cannot finish in
+    between. It is abandoned at once, its staging removed, the checkpoint untouched, and the run exits as a stopped
+    run (the message says how to export it); a relaunch of the finished run exports final/."""
+    import signal
+    import types
+
+    from recipes import export as export_module
+
+    run_dir, checkpoint, _ = run
+    write_weights = export_module._write_weights
+
+    def signalled_half_way(*args, **kwargs):
+        write_weights(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # Slurm's preemption, after the weights and before the rest
+        time.sleep(5)  # the handler interrupts this; reaching the end is the failure
+
+    monkeypatch.setattr(export_module, "_write_weights", signalled_half_way)
+    before = signal.getsignal(signal.SIGTERM)
+    signals = types.SimpleNamespace(received=None)
+    said = "stop signal .SIGTERM. during the final export: checkpoint-40 is saved and complete; final/ was not written"
+    with pytest.raises(export_module.ExportInterrupted, match=said), \
+            export_module._abandoned_on_stop_signal(signals, checkpoint, run_dir / "final"):  # fmt: skip
+        export_checkpoint(checkpoint, run_dir / "final", overwrite=True, verify=False, run_may_hold_output=True)
+    assert signal.getsignal(signal.SIGTERM) is before, "the run's own handler is back"
+    assert not (run_dir / "final").exists() and leftovers(run_dir) == []
+    assert manifest_problems(checkpoint) == [] and verify_checksums(checkpoint) == []
+    # a signal that came before the export (during the final save or evaluation) skips it
+    signals.received = signal.SIGUSR1
+    with pytest.raises(export_module.ExportInterrupted, match="SIGUSR1. before the final export"), \
+            export_module._abandoned_on_stop_signal(signals, checkpoint, run_dir / "final"):  # fmt: skip
+        raise AssertionError("the export must not start")
+
+
+def test_a_killed_exports_staging_is_removed_at_the_next_start(run, trained_run):
+    """A SIGKILLed export leaves `.final.tmp` (~140 GB at 70B) hidden in the run directory: the run's next start
+    removes it unless an export still holds its lock; the next export to the same output removes its own."""
+    from recipes.training.checkpointing import export_staging
+    from recipes.training.output_dir import prepare
+
+    run_dir, checkpoint, _ = run
+    staging, lock = export_staging(run_dir / "final")
+    (staging / "model").mkdir(parents=True)
+    (staging / "model" / "model-00001.safetensors").write_bytes(b"x" * 4096)
+    lock.touch()
+    beside, beside_lock = export_staging(run_dir / "export-20")
+    beside.mkdir()
+    config = copy.deepcopy(trained_run["config"])  # the session's: not to be changed
+    config.output_dir = str(run_dir)
+    with FileLock(beside_lock, what="a live export"):  # an export beside the checkpoints, still at work
+        prepare(config, {})
+    assert not staging.exists() and beside.exists()
+    elsewhere = run_dir.parent / "model"
+    export_staging(elsewhere)[0].mkdir()
+    result = export(checkpoint, "--output", elsewhere)
+    assert result.returncode == 0, result.stderr
+    assert f"removing {export_staging(elsewhere)[0]}, left by an export to {elsewhere} that was killed" in result.stderr
+    assert leftovers(run_dir.parent) == []

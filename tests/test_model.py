@@ -124,14 +124,20 @@ def test_a_cpu_without_native_bf16_is_told_once_that_bf16_is_emulated():
     assert bf16_emulation_warning(bf16=False, cuda=False, native_bf16=False) is None
 
 
-def test_deepspeed_imports_without_mlflow_and_mlflow_still_imports_after():
+def test_deepspeed_imports_lean_and_mlflow_still_imports_after():
+    """Neither mlflow nor Muon's kernel compilation (seconds of every rank's start) comes with DeepSpeed; ZeRO-3's
+    question "is the optimizer Muon?" is still answered (no)."""
     import subprocess
     import sys
 
     probe = (
-        "import sys; from recipes.training.startup import import_deepspeed_without_mlflow; "
-        "import_deepspeed_without_mlflow(); assert 'deepspeed' in sys.modules; "
+        "import sys, torch; from recipes.training.startup import import_deepspeed_lean; "
+        "import_deepspeed_lean(); assert 'deepspeed' in sys.modules; "
         "from deepspeed.autotuning import autotuner; assert not autotuner.has_mlflow; "
+        "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam; "
+        "adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]); "
+        "assert not isinstance(adamw, MuonWithAuxAdam); "
+        "assert 'deepspeed.runtime.zero.muon.original_muon' not in sys.modules, 'Muon compiled its kernels'; "
         "import mlflow; print(mlflow.__name__)"
     )
     completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,

@@ -1,5 +1,6 @@
 import json
 import re
+import time
 import urllib.request
 
 import pytest
@@ -57,6 +58,26 @@ def test_metrics_writer_feeds_the_exporter(tmp_path):
         assert line in text
 
 
+def test_the_endpoint_serves_how_the_run_ended_before_it_goes():
+    """-1 while the run lives; at the end its exit code for `linger_s`, then nothing (a crash: nothing at once)."""
+    import threading
+
+    exporter = PrometheusExporter(free_port(), host="127.0.0.1")
+    writer = metrics.MetricsWriter("unused", enabled=False, prometheus=exporter)
+    assert 'pretrain_run_exit_code{node="0"} -1.0' in scrape(exporter.port)
+    closing = threading.Thread(target=writer.close, args=(4, 1.5))
+    closing.start()
+    time.sleep(0.3)
+    assert 'pretrain_run_exit_code{node="0"} 4.0' in scrape(exporter.port)
+    closing.join(timeout=10)
+    with pytest.raises(OSError):
+        scrape(exporter.port)
+    crashed = PrometheusExporter(free_port(), host="127.0.0.1")
+    started = time.monotonic()
+    crashed.close(None, linger_s=30.0)
+    assert time.monotonic() - started < 5, "a crash does not linger"
+
+
 def test_grafana_dashboard_uses_exactly_the_exported_metrics():
     dashboard = json.loads((REPO / "monitoring/grafana_dashboard.json").read_text())
     used = {
@@ -89,4 +110,53 @@ def test_the_alert_rules_pass_promtool():
         pytest.skip("promtool not installed; .ci/run installs Debian's prometheus")
     checked = subprocess.run(["promtool", "check", "rules", str(REPO / "monitoring/alerts.yml")], capture_output=True,
                              text=True, timeout=60)  # fmt: skip
-    assert checked.returncode == 0 and "SUCCESS: 4 rules found" in checked.stdout, checked.stdout + checked.stderr
+    assert checked.returncode == 0 and "SUCCESS: 5 rules found" in checked.stdout, checked.stdout + checked.stderr
+
+
+def test_the_alerts_tell_a_finished_run_from_a_dead_one(tmp_path):
+    """Three runs whose endpoints all go at minute 10: one served exit code 0 first (finished, or saved and stopped),
+    one served 3 (a non-finite loss), one was killed at -1. Evaluated by promtool's rule tests: only the killed and the
+    failed one page as an endpoint down, and the failed one as a failed run (a finished run used to page as dead)."""
+    import shutil
+    import subprocess
+
+    import yaml
+
+    from tests.conftest import REPO
+
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool not installed; .ci/run installs Debian's prometheus")
+    groups = yaml.safe_load((REPO / "monitoring/alerts.yml").read_text())["groups"]
+    rules = {rule["alert"]: rule for rule in groups[0]["rules"]}
+
+    def expected(alert: str, instance: str, value: str) -> dict:
+        annotations = {key: text.replace("{{ $labels.instance }}", instance).replace("{{ $value }}", value)
+                       for key, text in rules[alert]["annotations"].items()}  # fmt: skip
+        return {
+            "exp_labels": {
+                "severity": "page",
+                "job": "pretrain",
+                "instance": instance,
+                **({"node": "0"} if alert == "PretrainRunFailed" else {}),
+            },
+            "exp_annotations": annotations,
+        }
+
+    series, runs = [], {"finished": "-1x9 0 _x30", "failed": "-1x9 3 _x30", "killed": "-1x10 _x30"}
+    for instance, codes in runs.items():
+        series.append({"series": f'up{{job="pretrain", instance="{instance}"}}', "values": "1x10 0x30"})
+        series.append({"series": f'pretrain_run_exit_code{{job="pretrain", instance="{instance}", node="0"}}',
+                       "values": codes})  # fmt: skip
+    checks = [
+        {"eval_time": "30m", "alertname": "PretrainEndpointDown",
+         "exp_alerts": [expected("PretrainEndpointDown", name, "0") for name in ("failed", "killed")]},
+        {"eval_time": "30m", "alertname": "PretrainRunFailed",
+         "exp_alerts": [expected("PretrainRunFailed", "failed", "3")]},
+        {"eval_time": "5m", "alertname": "PretrainEndpointDown", "exp_alerts": []},  # all three alive
+    ]  # fmt: skip
+    unit = {"rule_files": [str(REPO / "monitoring/alerts.yml")], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": checks}]}  # fmt: skip
+    (tmp_path / "alerts_test.yml").write_text(yaml.safe_dump(unit))
+    tested = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts_test.yml")], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr

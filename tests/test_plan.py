@@ -131,6 +131,20 @@ def test_cli_json(capsys):
     assert not any("vocabulary size assumed" in w for w in out["warnings"])
 
 
+def test_the_elastic_2_node_recipe_plans_its_1_node_form(capsys):
+    """What a start on the node left after a failure runs: accumulation 8 keeps the 128-row batch, it fits, and the
+    evaluation batch it would use is the one the plan says fits there (27 of the recipe's 32)."""
+    from recipes.training.startup import fit_eval_batch
+
+    assert planner.main(["--config", str(RECIPE_16), "--gpus", "8", "--nodes", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True and out["total_steps"] == 13_351_440
+    config = load_config(RECIPE_16)
+    plan = planner.make_plan(config, planner.hardware_from(config, gpus=8, nodes=1), ZERO3, vocab_size=32_000)
+    assert fit_eval_batch(config, plan.eval_batch_fits, 8) and config.per_device_eval_batch_size == 27
+    assert not fit_eval_batch(config, plan.eval_batch_fits, 8), "once it fits, it stays"
+
+
 def test_cli_text_and_errors(capsys):
     assert planner.main(["--config", str(RECIPE_8), "--gpus", "16", "--nodes", "2", "--interconnect", "ib200"]) == 2
     assert "global_batch_size is 128" in capsys.readouterr().err

@@ -90,6 +90,12 @@ def test_an_impossible_global_batch_is_refused_naming_the_launch_that_would_fit(
         validate_for_world(config, 2)
 
 
+def test_elastic_on_raw_text_is_refused_before_a_node_is_ever_lost(corpus, tmp_path):
+    """A raw-text position is per rank: an elastic run on it would learn so only at its first change of world size."""
+    said = preflight_refusal(corpus, tmp_path / "out", elastic="true")
+    assert said.startswith("elastic: true needs preprocessed train data"), said
+
+
 def test_a_run_that_does_not_fit_is_refused_by_the_plan(corpus, tmp_path):
     # Without CUDA the recipe's hardware.gpu_memory_gb stands in for device memory.
     said = preflight_refusal(corpus, tmp_path, **{"hardware.gpu_memory_gb": 0.5})

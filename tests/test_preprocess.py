@@ -3,11 +3,6 @@ global-sample-index reader that training uses."""
 
 import gzip
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import datasets
 import numpy as np
@@ -25,7 +20,6 @@ from data_prep.preprocess import PreprocessError, main, preprocess
 from data_prep.readers import iter_texts
 from recipes.config import PretrainConfig
 from recipes.training.train_data import TrainData
-from tests.conftest import LAUNCH_ENV, REPO
 
 SEQ = 64
 
@@ -146,33 +140,6 @@ def test_missing_input_and_conflicting_output_stop_before_work(tmp_path, corpus,
         with pytest.raises(PreprocessError, match=f"{name} exists and is not a preprocessing output"):
             preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(tmp_path / name), SEQ)
         assert [p.name for p in (tmp_path / name).iterdir()] == ["manifest.json"]
-
-
-def test_sigkill_then_the_same_command_finishes_identically(tmp_path, corpus):
-    # paragraphs as documents: thousands of them, so that shards are written all along the run
-    paragraphs = [p for text in iter_texts(corpus["train"]) for p in text.split("\n\n") if p.strip()]
-    source = tmp_path / "paragraphs.jsonl"
-    source.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
-    reference = preprocess(str(corpus["tokenizer"]), [str(source)], str(tmp_path / "ref"), SEQ, 1, rows_per_shard=150)
-    out = tmp_path / "killed"
-    command = [sys.executable, "-m", "data_prep.preprocess", "--tokenizer", str(corpus["tokenizer"]), "--input",
-               str(source), "--output", str(out), "--seq-len", str(SEQ), "--num-workers", "2",
-               "--rows-per-shard", "150"]  # fmt: skip
-    victim = subprocess.Popen(command, cwd=REPO, env=LAUNCH_ENV, start_new_session=True, stdout=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (out / ".progress" / "progress.npz").exists():
-        assert victim.poll() is None and time.time() < deadline, "finished before it could be killed"
-        time.sleep(0.01)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
-    assert not (out / "manifest.json").exists()
-    finished = subprocess.run(command, cwd=REPO, env=LAUNCH_ENV, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr
-    assert "resuming after shard" in finished.stdout
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["throughput"]["resumed"]
-    for key in ("num_documents", "num_tokens", "num_sequences", "shards", "skipped", "dropped_tail_tokens"):
-        assert manifest[key] == reference[key], key
 
 
 @pytest.mark.parametrize("world, micro, accumulation", [(1, 4, 2), (2, 2, 2), (4, 1, 2), (8, 1, 1)])

@@ -2,13 +2,14 @@
 and document masking: a relaunch in a fresh process continues with exactly the batches an uninterrupted
 run draws, and a checkpoint whose data position is reset does not."""
 
-import json
 import shutil
+import time
 
 import pytest
 import torch
 
 from data_prep.preprocess import preprocess
+from recipes.training.checkpointing import read_manifest
 from tests.conftest import REPO, data_position, forge_data_position, launch, tiny_overrides, train_losses
 
 pytestmark = pytest.mark.multiprocess
@@ -24,20 +25,9 @@ def packed_dir(tmp_path_factory, corpus):
 
 
 def run_args(corpus, packed_dir, output_dir, **extra):
-    return tiny_overrides(
-        corpus,
-        output_dir,
-        train_files=packed_dir,
-        max_steps=STEPS,
-        save_steps=6,
-        logging_steps=1,
-        eval_steps=6,
-        max_eval_samples=16,
-        warmup_steps=3,
-        dataloader_num_workers=2,
-        document_masking="true",
-        **extra,
-    )
+    values = dict(train_files=packed_dir, max_steps=STEPS, save_steps=6, logging_steps=1, eval_steps=6,
+                  max_eval_samples=16, warmup_steps=3, dataloader_num_workers=2, document_masking="true")  # fmt: skip
+    return tiny_overrides(corpus, output_dir, **{**values, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -79,39 +69,74 @@ def test_negative_control_with_the_position_reset_diverges(tmp_path, uninterrupt
     assert all(train[s] != expected[s] for s in range(7, STEPS + 1))
 
 
-def test_resume_on_another_number_of_processes_through_the_universal_checkpoint(
-    tmp_path, uninterrupted, corpus, packed_dir
-):
-    """2 processes -> 1 with the same global batch (accumulation 2 -> 4): refused until the checkpoint is
-    converted, then the same rows are trained on; losses match the 2-process run up to summation order."""
+def test_a_lost_node_and_its_return_continue_the_run_unattended(tmp_path, uninterrupted, corpus, packed_dir):
+    """elastic: 2 processes -> 1 (a node lost) -> 2 (it is back), each start converting the other world size's
+    checkpoint to the universal format itself and keeping the global batch (accumulation 2 -> 4 -> 2). Every step is
+    trained once, on exactly the uninterrupted run's rows, with losses equal up to summation order."""
     import subprocess
-    import sys
 
-    output_dir = tmp_path / "one"
+    from recipes.telemetry.metrics import read_metrics
+    from tests.conftest import kill_whole_tree, launch_command, start
+
+    output_dir = tmp_path / "elastic"
     shutil.copytree(uninterrupted, output_dir)
     shutil.rmtree(output_dir / f"checkpoint-{STEPS}")
     shutil.rmtree(output_dir / "final")
-    args = run_args(corpus, packed_dir, output_dir, gradient_accumulation_steps=4)
-    refused = launch(REPO / "recipes/pretrain.py", args, num_processes=1)
-    assert refused.returncode != 0
-    command = f"ds_to_universal --input_folder {output_dir}/checkpoint-6/pytorch_model"
-    assert command in refused.stderr and "parameters; this rank holds" not in refused.stderr
+    args = run_args(corpus, packed_dir, output_dir, elastic="true", save_steps=3)
+    log_path = tmp_path / "one_node.log"
+    with open(log_path, "w") as log:  # on one node until that one is lost too, right after its checkpoint-9
+        job = start(launch_command(REPO / "recipes/pretrain.py", args, num_processes=1), stdout=log,
+                    stderr=subprocess.STDOUT)  # fmt: skip
+        while job.poll() is None and not (output_dir / "checkpoint-9" / "manifest.json").exists():
+            time.sleep(0.02)
+        kill_whole_tree(job.pid)
+        job.wait(timeout=60)
+    one_node = log_path.read_text()
+    finished = (output_dir / f"checkpoint-{STEPS}").exists()
+    assert (output_dir / "checkpoint-9").exists() and not finished, one_node[-3000:]
+    assert "elastic: 1 processes, gradient_accumulation_steps 4 (global batch 32 rows)" in one_node
+    assert "elastic: converting checkpoint-6 to DeepSpeed's universal format" in one_node
+    assert "world size 2 -> 1 at step 6: gradient_accumulation_steps 2 -> 4" in one_node
+    assert read_manifest(output_dir / "checkpoint-9")["world_size"] == 1
 
-    subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-         str(output_dir / "checkpoint-6" / "pytorch_model"), "--output_folder",
-         str(output_dir / "checkpoint-6" / "universal" / "pytorch_model")],
-        check=True, capture_output=True, cwd=REPO,
-    )  # fmt: skip
-    resumed = launch(REPO / "recipes/pretrain.py", args, num_processes=1)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "loading its universal checkpoint on 1" in resumed.stderr
+    both = launch(REPO / "recipes/pretrain.py", args)
+    assert both.returncode == 0, both.stderr[-4000:]
+    assert "elastic: converting checkpoint-9" in both.stderr and "world size 1 -> 2 at step 9" in both.stderr
     expected, train = train_losses(uninterrupted), train_losses(output_dir)
+    steps = [r["step"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, STEPS + 1)), "no step repeated or skipped"
     assert train[7] == pytest.approx(expected[7], rel=1e-6), "same model and same rows at the first step"
-    assert all(train[s] == pytest.approx(expected[s], rel=1e-4) for s in range(8, STEPS + 1))
-    manifest = json.loads((output_dir / f"checkpoint-{STEPS}" / "manifest.json").read_text())
-    assert manifest["world_size"] == 1
+    assert all(train[s] == pytest.approx(expected[s], rel=1e-4) for s in range(8, STEPS + 1)), (train, expected)
+    assert read_manifest(output_dir / f"checkpoint-{STEPS}")["world_size"] == 2
     assert data_position(output_dir / f"checkpoint-{STEPS}")["global_rows_consumed"] == STEPS * 32
+    report = (output_dir / "report.md").read_text()
+    assert ("world size changes (global batch kept): step 6: 2 -> 1 ranks (accumulation 2 -> 4); "
+            "step 9: 1 -> 2 ranks (accumulation 4 -> 2)") in report  # fmt: skip
+
+
+def test_another_world_size_without_elastic_names_both_ways_out(tmp_path, uninterrupted, corpus, packed_dir):
+    """Checked where a launch checks it, before the model (no launch needed to see the answer)."""
+    from transformers import AutoTokenizer
+
+    from recipes.config import load_config
+    from recipes.training.checkpointing import CheckpointError
+    from recipes.training.model import llama_config
+    from recipes.training.resume import check_resumable, run_identity
+    from recipes.training.train_data import TrainData, open_train_source
+    from tests.conftest import TINY_RECIPE
+
+    config = load_config(TINY_RECIPE, run_args(corpus, packed_dir, tmp_path, gradient_accumulation_steps=4)[2:])
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    data = TrainData(open_train_source(config, tokenizer, 1), config, tokenizer, rank=0, world=1)
+    identity = run_identity(config, llama_config(config, len(tokenizer)), tokenizer, 1)
+    checkpoint = uninterrupted / "checkpoint-6"
+    try:
+        with pytest.raises(CheckpointError) as refused:
+            check_resumable(checkpoint, identity, tokenizer, data, 1)
+    finally:
+        data.close()  # its dataloader workers ignore SIGTERM: left alone they would keep pytest from exiting
+    assert "set elastic: true (with global_batch_size) to convert it at start" in str(refused.value)
+    assert f"ds_to_universal --input_folder {checkpoint}/pytorch_model" in str(refused.value)
 
 
 def test_raw_text_positions_cannot_move_to_another_world_size(tmp_path, corpus, reference_run):
@@ -133,24 +158,49 @@ def test_raw_text_positions_cannot_move_to_another_world_size(tmp_path, corpus, 
 
 
 def test_export_reads_the_universal_form_when_the_rank_shards_are_gone(tmp_path, uninterrupted, corpus):
-    """A checkpoint kept only in its universal form (after a world-size change) still exports, to the same weights."""
-    import subprocess
-    import sys
-
+    """A checkpoint kept only in its universal form (after a world-size change) still exports, to the same weights;
+    the conversion the recipe runs itself (elastic) replaces what a killed or failed one left."""
     from safetensors.torch import load_file
 
     from recipes.export import export_checkpoint
+    from recipes.training import elastic
+    from recipes.training.checkpointing import has_universal
 
     checkpoint = tmp_path / "checkpoint-6"
     shutil.copytree(uninterrupted / "checkpoint-6", checkpoint)
-    subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-         str(checkpoint / "pytorch_model"), "--output_folder", str(checkpoint / "universal" / "pytorch_model")],
-        check=True, capture_output=True, cwd=REPO,
-    )  # fmt: skip
+    # what a conversion killed half-way, and one that failed, leave: nothing a start trusts, removed by the next
+    (checkpoint / elastic.STAGING / "pytorch_model" / "zero").mkdir(parents=True)
+    (checkpoint / elastic.FAILED).write_text("an earlier failure")
+    elastic.ensure_universal(checkpoint, OneProcess())
+    assert has_universal(checkpoint) and not (checkpoint / elastic.STAGING).exists()
+    assert not (checkpoint / elastic.FAILED).exists()
     from_shards = export_checkpoint(checkpoint, tmp_path / "from_shards", dtype="float32")
     for shard in (checkpoint / "pytorch_model").glob("*optim_states.pt"):
         shard.unlink()
     from_universal = export_checkpoint(checkpoint, tmp_path / "from_universal", dtype="float32")
     ours, theirs = load_file(from_shards / "model.safetensors"), load_file(from_universal / "model.safetensors")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+class OneProcess:
+    """The part of an Accelerator that elastic.ensure_universal uses, for one process."""
+
+    is_main_process = True
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+def test_a_failed_conversion_publishes_nothing_and_every_rank_says_why(tmp_path, uninterrupted):
+    from recipes.training import elastic
+    from recipes.training.checkpointing import CheckpointError, has_universal
+
+    checkpoint = tmp_path / "checkpoint-6"
+    shutil.copytree(uninterrupted / "checkpoint-6", checkpoint)
+    for shard in (checkpoint / "pytorch_model").glob("*model_states.pt"):
+        shard.write_bytes(b"truncated")  # a shard damaged after its manifest was checked
+    with pytest.raises(CheckpointError, match="elastic: converting .*checkpoint-6 to the universal format failed"):
+        elastic.ensure_universal(checkpoint, OneProcess())
+    assert not has_universal(checkpoint) and not (checkpoint / elastic.STAGING).exists()
+    with pytest.raises(CheckpointError, match="to the universal format failed"):  # a rank that waited for rank 0
+        elastic.wait_for_conversion(checkpoint)

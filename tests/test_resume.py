@@ -116,36 +116,45 @@ def test_a_requested_checkpoint_that_is_incomplete_is_an_error(tmp_path, uninter
 RANK_PATTERN = re.search(r"RANK_PATTERN='([^']+)'", (REPO / "scripts/slurm/run.sh").read_text()).group(1)
 
 
-@pytest.mark.parametrize("how", ["preemption: SIGTERM to every process", "time limit: USR1 to the ranks"])
-def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, how, uninterrupted):
-    """...and the relaunch continues exactly: the saved checkpoint's data position is that of its step (it used to
-    include the next step's batches, taken before the signal was agreed on, so a resume skipped them)."""
-    output_dir = tmp_path / "preempted"
-    log_path = tmp_path / "log.txt"
-    args = run_args(corpus, output_dir)
+def stop_when_training(args, output_dir, log_path, how: str) -> int:
+    """Launch, and once a loss is logged send the stop signal `how` names; returns the step it saved at."""
     with open(log_path, "w") as log:
         job = start(launch_command(REPO / "recipes/pretrain.py", args), stdout=log, stderr=log)
         deadline = time.time() + 300
         while "INFO pretrain: loss" not in log_path.read_text() and time.time() < deadline:
             time.sleep(0.1)
         time.sleep(1.0)
-        if how.startswith("preemption"):
+        if how == "preemption":
             for process in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
                 process.send_signal(signal.SIGTERM)  # Slurm's preemption signals every process of the job
         else:  # what scripts/slurm/run.sh does before the time limit, narrowed to this test's run
             subprocess.run(["pkill", "-USR1", "-f", "--", f"{RANK_PATTERN}.*{output_dir}"], check=True)
         job.wait(timeout=120)
     log = log_path.read_text()
-    if how.startswith("time limit"):  # under preemption torchrun itself is signalled and exits non-zero
+    if how == "time limit":  # under preemption torchrun itself is signalled and exits non-zero
         assert job.returncode == 0, log[-3000:]
     assert "stop signal (SIGTERM/SIGUSR1): saved and exited" in log, log[-3000:]
     step = int(re.search(r"training stopped after (\d+) steps", log).group(1))
-    assert 0 < step < STEPS
     assert (output_dir / "latest").read_text().strip() == f"checkpoint-{step}"
     assert not (output_dir / "final").exists(), "a preempted run is continued, not exported"
+    return step
+
+
+def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, uninterrupted):
+    """USR1 to the ranks (the time limit's save-and-requeue), then SIGTERM to every process (preemption) of the
+    relaunch, then a relaunch to the end: each start continues exactly where the signal saved, and the run equals
+    an uninterrupted one. The saved checkpoint's data position is that of its step (it used to include the next
+    step's batches, taken before the signal was agreed on, so a resume skipped them)."""
+    output_dir = tmp_path / "preempted"
+    args = run_args(corpus, output_dir)
+    first = stop_when_training(args, output_dir, tmp_path / "time_limit.txt", "time limit")
+    assert 0 < first < STEPS
+    second = stop_when_training(args, output_dir, tmp_path / "preemption.txt", "preemption")
+    assert f"checkpoint-{first} at step {first}" in (tmp_path / "preemption.txt").read_text()
+    assert first < second < STEPS
     relaunch = launch(REPO / "recipes/pretrain.py", args)
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
-    assert f"checkpoint-{step} at step {step}" in relaunch.stderr
+    assert f"checkpoint-{second} at step {second}" in relaunch.stderr
     assert losses(output_dir) == losses(uninterrupted)
 
 

@@ -73,19 +73,6 @@ def wait_for_training(log_path, process, timeout_s=300):
         time.sleep(0.2)
 
 
-def test_a_resume_does_not_hang_when_tokenizers_parallelism_is_exported(tmp_path, corpus):
-    """The relaunch forks dataloader workers after tokenizing the validation set; with the Rust tokenizer's thread
-    pool started (TOKENIZERS_PARALLELISM=true) the forked workers used to deadlock in encode_batch."""
-    env = {**LAUNCH_ENV, "TOKENIZERS_PARALLELISM": "true"}
-    args = run_args(corpus, tmp_path / "run", dataloader_num_workers=2)
-    first = launch(PRETRAIN, [*args, "--max_steps", "4"], env=env)
-    assert first.returncode == 0, first.stderr[-3000:]
-    # a hang is killed whole after 300 s and fails the test ("timed out")
-    resumed = launch(PRETRAIN, [*args, "--max_steps", "6"], env=env, timeout_s=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "checkpoint-4 at step 4" in resumed.stderr and sorted(train_losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
-
-
 def test_killing_the_launcher_alone_ends_every_process_of_the_launch(tmp_path, corpus):
     log_path = tmp_path / "log.txt"
     with open(log_path, "w") as log:
@@ -147,19 +134,32 @@ def corrupt(path, offset=4096, size=8192):
         handle.write(bytes(255 - b for b in original))
 
 
-def test_a_corrupted_shard_is_skipped_for_the_previous_checkpoint_and_refused_by_name(tmp_path, finished, corpus):
+def test_a_resume_through_what_real_directories_collect_is_exact(tmp_path, finished, corpus):
+    """One resume through three things that each used to stop or hang it, in one launch:
+    - a corrupted shard in the newest checkpoint: skipped for the previous one, naming the file (an explicit
+      `--resume` to it is refused by name, before the model);
+    - a torn last line of metrics.jsonl (a kill in the middle of a write): dropped with a warning;
+    - TOKENIZERS_PARALLELISM=true exported: the relaunch forks dataloader workers after tokenizing the validation
+      set, and with the Rust tokenizer's thread pool started the forked workers deadlocked in encode_batch (a hang
+      is killed whole after 300 s and fails the test)."""
+    from recipes.training.checkpointing import CheckpointError, find_resume_checkpoint, verify_checksums
+
     output_dir = tmp_path / "run"
     shutil.copytree(finished, output_dir, ignore=shutil.ignore_patterns("final"))
     shard = next((output_dir / "checkpoint-16" / "pytorch_model").glob("*optim_states.pt"))
     size = shard.stat().st_size
     corrupt(shard)
     assert shard.stat().st_size == size
-    explicit = launch(PRETRAIN, [*run_args(corpus, output_dir), "--resume", str(output_dir / "checkpoint-16")])
-    assert explicit.returncode != 0 and shard.name in explicit.stderr and "sha256" in explicit.stderr
-    assert MODEL_WAS_BUILT not in explicit.stderr
-    resumed = launch(PRETRAIN, run_args(corpus, output_dir))
+    with pytest.raises(CheckpointError) as refused:
+        find_resume_checkpoint(output_dir, str(output_dir / "checkpoint-16"), verify_checksums)
+    assert shard.name in str(refused.value) and "sha256" in str(refused.value)
+    with open(output_dir / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 9, "lo')
+    env = {**LAUNCH_ENV, "TOKENIZERS_PARALLELISM": "true"}
+    resumed = launch(PRETRAIN, run_args(corpus, output_dir), env=env, timeout_s=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"skipped checkpoint-16: {shard}" in resumed.stderr and "checkpoint-12 at step 12" in resumed.stderr
+    assert "is not a metrics record (torn by a kill?); dropped" in resumed.stderr
     assert train_losses(output_dir) == train_losses(finished), "resumed from checkpoint-12, bit-exact to the end"
 
 
@@ -207,16 +207,6 @@ def test_every_run_defining_change_is_named(finished, corpus, change, named):
     current = run_identity(config, llama_config(config, len(tokenizer)), tokenizer, 2)
     changes = identity_changes(saved_identity(finished / "checkpoint-12", tokenizer), current)
     assert len(changes) == 1 and changes[0].startswith(named)
-
-
-def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path, finished, corpus):
-    output_dir = at_step_12(finished, tmp_path / "run")
-    with open(output_dir / "metrics.jsonl", "a") as handle:
-        handle.write('{"step": 9, "lo')  # a kill in the middle of a write
-    result = launch(PRETRAIN, run_args(corpus, output_dir))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "is not a metrics record (torn by a kill?); dropped" in result.stderr
-    assert train_losses(output_dir) == train_losses(finished)
 
 
 def test_too_little_training_data_is_an_error_not_an_untrained_model(tmp_path, corpus):

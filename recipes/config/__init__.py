@@ -5,7 +5,14 @@ by each field's declared type: `learning_rate: 1e-4` and `--learning_rate 8e-5` 
 `deepspeed` resolves the DeepSpeed JSON against the recipe. The names below are what the rest of the package uses.
 """
 
-from recipes.config.checks import validate_against_model, validate_for_world, validate_static, warmup_fraction
+from recipes.config.checks import (
+    elastic_accumulation,
+    for_world,
+    validate_against_model,
+    validate_for_world,
+    validate_static,
+    warmup_fraction,
+)
 from recipes.config.fields import (
     ATTN_IMPLEMENTATIONS,
     ATTN_MASKING_PATHS,
@@ -19,6 +26,7 @@ from recipes.config.parsing import apply_overrides, config_from_dict, load_confi
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "ATTN_MASKING_PATHS", "HARDWARE_KEYS", "MODEL_CONFIG_KEYS", "WIRE_KEYS", "ConfigError",
-    "PretrainConfig", "apply_overrides", "config_from_dict", "load_config", "parse_cli", "parse_overrides",
-    "validate_against_model", "validate_for_world", "validate_static", "warmup_fraction",
+    "PretrainConfig", "apply_overrides", "config_from_dict", "elastic_accumulation", "for_world", "load_config",
+    "parse_cli", "parse_overrides", "validate_against_model", "validate_for_world", "validate_static",
+    "warmup_fraction",
 ]  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,10 @@ def validate_static(config: PretrainConfig) -> None:
         raise ConfigError(f"report_to {config.report_to}: use any of tensorboard, wandb, mlflow, or [none] alone")
     if config.prometheus_port is not None and not 1 <= config.prometheus_port <= 65535:
         raise ConfigError(f"prometheus_port must be a TCP port in 1-65535, or null; got {config.prometheus_port}")
+    if not 0 <= config.metrics_linger_s <= 600:
+        raise ConfigError(
+            f"metrics_linger_s must be 0-600 seconds (one scrape interval or two); got {config.metrics_linger_s}"
+        )
     if config.bf16 and config.fp16:
         raise ConfigError("bf16 and fp16 are both true: choose one mixed-precision mode")
     if config.attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -193,13 +198,40 @@ def _validate_model_source(config: PretrainConfig) -> None:
         raise ConfigError(
             f"hardware has unknown key(s) {sorted(unknown_hardware_keys)}; valid: {', '.join(HARDWARE_KEYS)}"
         )
-    if config.global_batch_size is not None:
+    if config.elastic and config.global_batch_size is None:
+        raise ConfigError("elastic: true needs global_batch_size, the batch it keeps on any number of processes")
+    if config.elastic and config.global_batch_size % config.per_device_train_batch_size:
+        raise ConfigError(f"global_batch_size {config.global_batch_size} is not a multiple of "
+                          f"per_device_train_batch_size {config.per_device_train_batch_size}")  # fmt: skip
+    if config.global_batch_size is not None and not config.elastic:
         micro_x_accum = config.per_device_train_batch_size * config.gradient_accumulation_steps
         if config.global_batch_size % micro_x_accum:
             raise ConfigError(
                 f"global_batch_size {config.global_batch_size} is not a multiple of per_device_train_batch_size "
                 f"x gradient_accumulation_steps = {micro_x_accum}: no whole number of GPUs gives it"
             )
+
+
+def elastic_accumulation(config: PretrainConfig, world_size: int) -> int:
+    """gradient_accumulation_steps that keep global_batch_size on `world_size` processes (elastic runs)."""
+    per_step = config.per_device_train_batch_size * world_size
+    if config.global_batch_size % per_step:
+        fits = [n for n in range(1, config.global_batch_size + 1)
+                if config.global_batch_size % (config.per_device_train_batch_size * n) == 0]  # fmt: skip
+        raise ConfigError(
+            f"elastic: global_batch_size {config.global_batch_size} cannot be kept on {world_size} processes "
+            f"(per_device_train_batch_size {config.per_device_train_batch_size} x {world_size} does not divide it); "
+            f"process counts that keep it: {', '.join(map(str, fits[:12]))}{', ...' if fits[12:] else ''}"
+        )
+    return config.global_batch_size // per_step
+
+
+def for_world(config: PretrainConfig, world_size: int) -> PretrainConfig:
+    """The recipe as a launch of `world_size` processes runs it: an elastic one keeps its global batch, and its
+    accumulation follows the world size; any other is as written."""
+    if not config.elastic:
+        return config
+    return dataclasses.replace(config, gradient_accumulation_steps=elastic_accumulation(config, world_size))
 
 
 def validate_for_world(config: PretrainConfig, world_size: int) -> None:

@@ -115,6 +115,17 @@ class PretrainConfig:
             )
         },
     )
+    elastic: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Continue on whatever number of processes a launch has (a node lost, or back): gradient_accumulation_"
+                "steps is derived from global_batch_size for the launch's world size, and a checkpoint written by "
+                "another number of ranks is converted to DeepSpeed's universal format at start, once. Needs "
+                "global_batch_size and preprocessed train data (a raw-text position is per rank)."
+            )
+        },
+    )
 
     learning_rate: float = field(
         default=1e-4, metadata={"help": "Peak AdamW learning rate, reached at the end of warmup."}
@@ -328,6 +339,16 @@ class PretrainConfig:
             "help": (
                 "Address the metrics endpoint binds: this host only by default; 0.0.0.0 (what the Slurm scripts set) "
                 "lets a Prometheus on another machine scrape it."
+            )
+        },
+    )
+    metrics_linger_s: float = field(
+        default=35.0,
+        metadata={
+            "help": (
+                "Seconds the metrics endpoint stays up after the run ends, serving its exit code "
+                "(pretrain_run_exit_code), so that Prometheus tells a run that ended from one that died: at least one "
+                "scrape_interval (30 s in monitoring/README.md). Only with prometheus_port."
             )
         },
     )

@@ -15,7 +15,14 @@ from typing import Any
 
 from eval.in_loop import SPLITS_REQUESTS_OVER_RANKS
 from recipes.architecture import hooked_modules, llama_parameter_count, module_sizes, training_flops_per_token
-from recipes.config import MODEL_CONFIG_KEYS, ConfigError, PretrainConfig, validate_for_world, warmup_fraction
+from recipes.config import (
+    MODEL_CONFIG_KEYS,
+    ConfigError,
+    PretrainConfig,
+    for_world,
+    validate_for_world,
+    warmup_fraction,
+)
 from recipes.planning.eval_cost import MMLU_SUBJECTS, SHARE_WARNING, EvalCost, EvalWork, eval_cost
 from recipes.planning.hardware import DEFAULT_MFU, Hardware
 from recipes.planning.memory import (
@@ -218,6 +225,7 @@ def make_plan(
     target_tokens_per_s: float | None = None,
 ) -> Plan:
     """The whole plan; every number derives from the recipe, the DeepSpeed config and the hardware."""
+    config = for_world(config, hardware.gpus)
     validate_for_world(config, hardware.gpus)
     warnings: list[str] = []
     shape = model_shape(config, warnings)
@@ -230,7 +238,6 @@ def make_plan(
     memory, model_states_gpu = gpu_memory_terms(config, shape, params, largest, world, ds_config)
     host = host_memory_terms(config, params, hardware, ds_config)
     deepspeed_host = (host["offloaded_optimizer"] + host["offloaded_parameters"]) * DEEPSPEED_HOST_BUFFER_FACTOR
-
     flops = training_flops_per_token(params, shape["num_hidden_layers"], seq, shape["hidden_size"])
     modelled = predicted_step(config, hardware, ds_config, shape, params, flops)
     peak, expected, step_seconds, days, gpu_hours = time_terms(config, hardware, flops, modelled)

@@ -76,9 +76,10 @@ class MetricsWriter:
         if self.enabled:
             truncate_metrics(self.path, after_step)
 
-    def close(self) -> None:
+    def close(self, exit_code: int | None = None, linger_s: float = 0.0) -> None:
+        """Stop the Prometheus endpoint, after serving the run's `exit_code` for `linger_s` seconds."""
         if self.prometheus is not None:
-            self.prometheus.close()
+            self.prometheus.close(exit_code, linger_s)
             self.prometheus = None
 
 
@@ -215,6 +216,12 @@ def run_report(output_dir: str | Path) -> str:
         lines.append(f"- MFU: median {_median(mfus):.1%}")
     if train[-1].get("num_tokens"):
         lines.append(f"- tokens consumed: {train[-1]['num_tokens']:,}")
+    changes = [r for r in records if "previous_world_size" in r]
+    if changes:
+        trail = "; ".join(f"step {r['step']}: {r['previous_world_size']} -> {r['world_size']} ranks (accumulation "
+                          f"{r['previous_gradient_accumulation_steps']} -> {r['gradient_accumulation_steps']})"
+                          for r in changes)  # fmt: skip
+        lines.append(f"- world size changes (global batch kept): {trail}")
     if "peak_host_memory_gb_per_rank" in summary:
         peaks = ", ".join(f"rank {i} {gb:.2f} GB" for i, gb in enumerate(summary["peak_host_memory_gb_per_rank"]))
         lines.append(f"- peak host memory: {peaks}")

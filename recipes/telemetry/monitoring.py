@@ -9,6 +9,7 @@ and GPU memory), labelled with rank and node. Names follow Prometheus's conventi
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 PREFIX = "pretrain_"
@@ -36,6 +37,11 @@ RUN_SERIES = {
     "eval_loss": Series("eval_loss", "gauge", "validation loss"),
     "last_checkpoint_step": Series("last_checkpoint_step", "gauge", "step of the newest complete checkpoint"),
     "planned_tokens_per_s": Series("planned_tokens_per_second", "gauge", "tokens/s the planner expects of this launch"),
+    "world_size": Series("world_size", "gauge", "processes (ranks) of this launch; an elastic run changes it"),
+    # -1 while the run lives; its rank exit code once it ends (0: finished, or saved and stopped by a signal), served
+    # for `metrics_linger_s` more so that Prometheus scrapes it: an endpoint that went down after 0 is a run that
+    # ended, one that went down at -1 is a run that died (monitoring/alerts.yml tells them apart with it).
+    "exit_code": Series("run_exit_code", "gauge", "-1 while the run lives, then the exit code it ended with"),
 }
 BENCHMARK_SERIES = Series("benchmark_score", "gauge", "benchmark score by task and metric")
 RANK_SERIES = {
@@ -110,6 +116,7 @@ class PrometheusExporter:
         registry = CollectorRegistry()
         registry.register(self.collector)
         self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.update({"exit_code": -1})
 
     @property
     def port(self) -> int:
@@ -118,6 +125,11 @@ class PrometheusExporter:
     def update(self, record: dict) -> None:
         self.collector.update(record)
 
-    def close(self) -> None:
+    def close(self, exit_code: int | None = None, linger_s: float = 0.0) -> None:
+        """Stop serving; with `exit_code`, serve it for `linger_s` seconds first (a scrape or two). Without one (a
+        crash), stop at once: the endpoint goes at -1, as a dead run's does."""
+        if exit_code is not None:
+            self.update({"exit_code": exit_code})
+            time.sleep(max(linger_s, 0.0))
         self._server.shutdown()
         self._server.server_close()

@@ -241,6 +241,25 @@ def reader_pin(checkpoint: Path) -> Path:
     return checkpoint.parent / f".{checkpoint.name}.readers"
 
 
+def export_staging(output: Path) -> tuple[Path, Path]:
+    """An export to `output` writes into the staging directory beside it, renamed into place when complete, and holds
+    the lock file beside it while it works: (staging, lock)."""
+    return output.with_name(f".{output.name}.tmp"), output.with_name(f".{output.name}.export-lock")
+
+
+def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
+    """Staging directories in `directory` left by exports that were killed (no process holds their lock), removed:
+    at 70B one is ~140 GB of hidden files. Returns what was removed, with its bytes."""
+    removed = []
+    for lock in sorted(directory.glob(".*.export-lock")):
+        staging = lock.with_name(lock.name.removesuffix(".export-lock") + ".tmp")
+        if staging.is_dir() and not held_by_someone(lock):
+            size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append((staging, size))
+    return removed
+
+
 def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: int | None, best: Path | None):
     """Delete the oldest complete checkpoints beyond the limit, except one being read (an export holds its pin: it
     goes at a later rotation); incomplete leftovers of killed saves too."""

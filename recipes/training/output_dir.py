@@ -92,6 +92,9 @@ def prepare(config: PretrainConfig, ds_config: dict) -> None:
     recipe and DeepSpeed config beside the run's outputs."""
     check_fresh_start(config)
     output_dir = Path(config.output_dir)
+    for staging, size in checkpointing.remove_stale_export_staging(output_dir):
+        logger.warning("removed %s (%.1f GB), left by an export that was killed (final/ or one beside the "
+                       "checkpoints)", staging, size / 1e9)  # fmt: skip
     with disk_errors_named(output_dir):
         checkpointing.write_resolved_config(output_dir, config.to_dict())
         (output_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, default=str))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,8 +161,10 @@ def choose_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
     return path
 
 
-def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: TrainData, world_size: int) -> None:
-    """Refuse, before the model is built, a checkpoint saved by another run or that this launch cannot continue."""
+def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: TrainData, world_size: int,
+                    convert: Callable[[Path], None] | None = None) -> None:  # fmt: skip
+    """Refuse, before the model is built, a checkpoint saved by another run or that this launch cannot continue. A
+    checkpoint of another world size is converted with `convert` (elastic runs) once every other check has passed."""
     saved = saved_identity(path, tokenizer)
     changes = identity_changes(saved, identity)
     if changes:
@@ -175,12 +178,15 @@ def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: Train
     if problem:
         raise CheckpointError(f"cannot resume from {path}: {problem}")
     if saved_world != world_size:
+        if not checkpointing.has_universal(path) and convert is not None:
+            convert(path)
         if not checkpointing.has_universal(path):
             raise CheckpointError(
                 f"{path} was written by {saved_world} processes, this launch has {world_size}. ZeRO-3 shards are "
-                "per rank: convert the checkpoint once with DeepSpeed's universal format, python -m "
-                f"deepspeed.checkpoint.ds_to_universal --input_folder {path}/pytorch_model --output_folder "
-                f"{path}/{checkpointing.UNIVERSAL_DIR}/pytorch_model , then relaunch"
+                "per rank: set elastic: true (with global_batch_size) to convert it at start, or convert it once "
+                f"with DeepSpeed's universal format, python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+                f"{path}/pytorch_model --output_folder {path}/{checkpointing.UNIVERSAL_DIR}/pytorch_model , then "
+                "relaunch"
             )
         logger.warning(
             "resume: %s was written by %d processes; loading its universal checkpoint on %d. Per-rank RNG states "

@@ -18,7 +18,14 @@ from common.process import local_world_size
 from data_prep.readers import resolve_sources
 from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
 from eval.harness import BenchmarkSettings
-from recipes.config import ConfigError, PretrainConfig, deepspeed, validate_against_model, validate_for_world
+from recipes.config import (
+    ConfigError,
+    PretrainConfig,
+    deepspeed,
+    elastic_accumulation,
+    validate_against_model,
+    validate_for_world,
+)
 from recipes.planning.hardware import live_hardware
 from recipes.planning.plan import make_plan, plan_predictions
 from recipes.planning.report import format_plan
@@ -31,12 +38,19 @@ from recipes.training.train_data import open_train_source
 logger = logging.getLogger("pretrain")
 
 
-def import_deepspeed_without_mlflow() -> None:
-    """DeepSpeed's autotuner imports mlflow at import time whenever it is installed (with the `trackers` extra):
-    2.5-3.2 s of every rank's start on the development machine, against 0.4-0.6 s without, for a module the recipe
-    never uses (it does not autotune). mlflow is hidden while DeepSpeed imports, and importable again after (the
-    MLflow tracker imports it then)."""
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_deepspeed_lean() -> None:
+    """DeepSpeed, without two imports of modules the recipe never uses, each seconds of every rank's start:
+    - its autotuner imports mlflow whenever it is installed (the `trackers` extra): 2.5-3.2 s on the development
+      machine, against 0.4-0.6 s without. mlflow is hidden while DeepSpeed imports, and importable again after (the
+      MLflow tracker imports it then);
+    - ZeRO-3 imports its Muon optimizer when the engine is built, only to ask whether the optimizer is one, and that
+      import compiles Muon's kernels: 2.3 s here. The recipe's optimizer is AdamW (DeepSpeed's CPU Adam when
+      offloaded), never Muon, so a stand-in module answers that question (nothing is a MuonWithAuxAdam)."""
     import sys
+    import types
 
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:
         return
@@ -46,11 +60,15 @@ def import_deepspeed_without_mlflow() -> None:
     finally:
         if sys.modules.get("mlflow") is None:
             del sys.modules["mlflow"]
+    if MUON_MODULE not in sys.modules:
+        stand_in = types.ModuleType(MUON_MODULE, "the recipe never uses Muon (recipes.training.startup)")
+        stand_in.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {})
+        sys.modules[MUON_MODULE] = stand_in
 
 
 def setup_distributed(config: PretrainConfig):
     """The Accelerator, with the DeepSpeed JSON's recipe-owned values filled from the recipe."""
-    import_deepspeed_without_mlflow()
+    import_deepspeed_lean()
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DeepSpeedPlugin
 
@@ -66,6 +84,8 @@ def setup_distributed(config: PretrainConfig):
             "recipes/pretrain.py --config ...` (the accelerate config names the ZeRO-3 JSON)"
         )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.elastic:  # the global batch is the recipe's on any number of processes; accumulation follows
+        config.gradient_accumulation_steps = elastic_accumulation(config, world_size)
     validate_for_world(config, world_size)
     ds_config = deepspeed.resolve_deepspeed_config(deepspeed.load_deepspeed_json(ds_path), config, world_size)
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=deepspeed.zero3_init_requested())
@@ -138,6 +158,11 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer {config.tokenizer_name_or_path} has no EOS token; packing needs one")
     train_source = open_train_source(config, tokenizer, accelerator.num_processes)
+    if config.elastic and isinstance(train_source, list):  # found now, not after a node is lost weeks later
+        raise ConfigError(
+            "elastic: true needs preprocessed train data (python -m data_prep.preprocess): a raw-text position is "
+            "per rank and dataloader worker, so it cannot move to another number of processes"
+        )
     validation = validation_rows(config, tokenizer)
     model_config = llama_config(config, len(tokenizer))
     validate_against_model(
@@ -159,6 +184,8 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         config, live_hardware(config, accelerator.num_processes), ds_config, vocab_size=model_config.vocab_size
     )
     logger.info("preflight %s", format_plan(plan, config))
+    if config.elastic and fit_eval_batch(config, plan.eval_batch_fits, accelerator.num_processes):
+        benchmarks = benchmark_settings(config)
     if not plan.fits and config.preflight_strict:
         raise ConfigError(
             "the plan says this run does not fit:\n  "
@@ -182,6 +209,17 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         identity,
         plan_predictions(plan),
     )
+
+
+def fit_eval_batch(config: PretrainConfig, fits: int | None, world_size: int) -> bool:
+    """An elastic run on fewer GPUs holds a larger shard of the model in each: its evaluation batch becomes what the
+    plan says fits (the 16-GPU recipe's 32 rows are 27 on 8 GPUs). Returns whether it changed."""
+    if fits is None or not 0 < fits < config.per_device_eval_batch_size:
+        return False
+    logger.warning("elastic: per_device_eval_batch_size %d -> %d, what fits on %d processes",
+                   config.per_device_eval_batch_size, fits, world_size)  # fmt: skip
+    config.per_device_eval_batch_size = fits
+    return True
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
@@ -258,12 +296,16 @@ def check_launch(config: PretrainConfig) -> Launch:
     run's config files the last. A collective."""
     from accelerate.utils import set_seed
 
-    from recipes.training import output_dir, resume
+    from recipes.training import elastic, output_dir, resume
     from recipes.training.run_state import StopSignals
     from recipes.training.train_data import TrainData
 
     accelerator, ds_config = setup_distributed(config)
     configure_logging(accelerator)
+    if config.elastic:
+        logger.info("elastic: %d processes, gradient_accumulation_steps %d (global batch %d rows)",
+                    accelerator.num_processes, config.gradient_accumulation_steps,
+                    config.global_batch_size)  # fmt: skip
     lock = output_dir.lock(config)  # one writer per directory, taken before anything is written
     if lock is not None:
         atexit.register(lock.release)  # at any exit; after a kill, the dead holder's lock is taken over
@@ -274,7 +316,8 @@ def check_launch(config: PretrainConfig) -> Launch:
     atexit.register(data.close)  # after multiprocessing's own exit handler, so it runs first
     resume_from = resume.choose_checkpoint(config, accelerator)
     if resume_from:
-        resume.check_resumable(resume_from, inputs.identity, inputs.tokenizer, data, world)
+        convert = (lambda path: elastic.ensure_universal(path, accelerator)) if config.elastic else None
+        resume.check_resumable(resume_from, inputs.identity, inputs.tokenizer, data, world, convert)
         problem = resume.steps_problem(config.total_steps(world), resume_from)
         if problem:
             raise ConfigError(problem)

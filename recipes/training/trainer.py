@@ -21,7 +21,7 @@ from recipes.config import ConfigError, PretrainConfig
 from recipes.telemetry.metrics import MetricsWriter
 from recipes.training.attention import DocumentMasking
 from recipes.training.callbacks import Callback
-from recipes.training.checkpointing import Checkpointer, step_of
+from recipes.training.checkpointing import Checkpointer, read_config, read_manifest, step_of
 from recipes.training.interface import Control, StepResult, StepWindow
 from recipes.training.model import replay_cpu_adam_bias_correction
 from recipes.training.run_state import RunState, Stop, StopReason, StopSignals, TrainingFault
@@ -229,4 +229,20 @@ def build_trainer(config: PretrainConfig, launch: Launch) -> Trainer:
     if launch.resume_from:
         trainer.load_checkpoint(launch.resume_from)
         logger.info("resume: continuing from %s at step %d", launch.resume_from, state.step)
+    trainer.metrics.write(state.step, launch_record(config, accelerator.num_processes, launch.resume_from, state.step))
     return trainer
+
+
+def launch_record(config: PretrainConfig, world_size: int, resumed_from: Path | None, step: int) -> dict:
+    """What metrics.jsonl records of each launch at its first step: its world size and accumulation, and the ones it
+    continues from when they differ (an elastic run that lost or regained a node)."""
+    record = {"world_size": world_size, "gradient_accumulation_steps": config.gradient_accumulation_steps}
+    if resumed_from is not None:
+        saved_world = read_manifest(resumed_from)["world_size"]
+        if saved_world != world_size:
+            saved = read_config(resumed_from).get("gradient_accumulation_steps")
+            record |= {"previous_world_size": saved_world, "previous_gradient_accumulation_steps": saved}
+            logger.warning("world size %d -> %d at step %d: gradient_accumulation_steps %s -> %d, global batch kept",
+                           saved_world, world_size, step, saved,
+                           config.gradient_accumulation_steps)  # fmt: skip
+    return record

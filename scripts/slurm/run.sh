@@ -13,7 +13,16 @@ RANK_PATTERN='python[^ ]* -u [^ ]*recipes/pretrain\.py'
 # The head node's address as Slurm knows it (NodeAddr), not its name, which need not resolve.
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 head_ip=$(scontrol show node "$head_node" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
-port=${MAIN_PROCESS_PORT:-29500}
+# A requeued start may land on the same head node while the previous start's rendezvous port is still held (a node
+# failure kills without a clean close): each start takes the next port.
+port=$(( ${MAIN_PROCESS_PORT:-29500} + ${SLURM_RESTART_COUNT:-0} ))
+# Elastic: a job submitted with --nodes=1-2 may start on fewer nodes than the accelerate config names (a node failed
+# and the job was requeued). Launch on the nodes this start was given, with the config's processes per node; the
+# recipe (elastic: true) keeps the global batch and converts the checkpoint when the world size changed.
+config_value() { grep -E "^$1:" "$accelerate_config" | head -n 1 | awk '{print $2}'; }
+per_node=$(( $(config_value num_processes) / $(config_value num_machines) ))
+nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+echo "$(date -Is) job ${SLURM_JOB_ID:-?} start ${SLURM_RESTART_COUNT:-0}: $nodes node(s) x $per_node process(es)"
 
 # --signal=B:USR1@600 lands here, in the batch shell. Signal only the training ranks: their
 # handler saves a checkpoint at the next step boundary and exits 0. Signalling torchrun instead
@@ -21,7 +30,7 @@ port=${MAIN_PROCESS_PORT:-29500}
 save_and_requeue() {
   echo "$(date -Is) time limit near: asking every rank to save, then requeueing job $SLURM_JOB_ID"
   # On each node, the ranks of this job only (their environment names it): another job's ranks are left alone.
-  srun --overlap --ntasks-per-node=1 bash -c '
+  srun --overlap --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 bash -c '
     for pid in $(pgrep -f -- "$1"); do
       tr "\0" "\n" < "/proc/$pid/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$2" && kill -USR1 "$pid"
     done
@@ -33,9 +42,11 @@ trap save_and_requeue USR1
 
 # The recipe's overrides reach pretrain.py word for word ("$@", not $* inside a string: `--lr_scheduler_kwargs
 # '{min_lr: 0}'` stays one argument). SLURM_NODEID is expanded by each node's task, hence the single quotes.
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c '
-  exec accelerate launch --config_file "$1" --machine_rank "$SLURM_NODEID" --main_process_ip "$2" \
-    --main_process_port "$3" recipes/pretrain.py --config "$4" --resume auto --metrics_host 0.0.0.0 "${@:5}"
-' run.sh "$accelerate_config" "$head_ip" "$port" "$recipe" "$@" &
+# One task per node, with all the CPUs this job has there (the allocation's tasks may sit two on one node).
+srun --kill-on-bad-exit=1 --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" bash -c '
+  exec accelerate launch --config_file "$1" --num_machines "$5" --num_processes "$6" --machine_rank "$SLURM_NODEID" \
+    --main_process_ip "$2" --main_process_port "$3" recipes/pretrain.py --config "$4" --resume auto \
+    --metrics_host 0.0.0.0 "${@:7}"
+' run.sh "$accelerate_config" "$head_ip" "$port" "$recipe" "$nodes" "$((nodes * per_node))" "$@" &
 training_pid=$!
 wait "$training_pid"

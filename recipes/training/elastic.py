@@ -1,0 +1,75 @@
+"""A run that continues on another number of processes (a node lost, or back) without a person: the checkpoint of
+the old world size is converted to DeepSpeed's universal format at start, once, and the global batch is kept by
+changing gradient accumulation (`elastic: true`; recipes.config.elastic_accumulation).
+
+The conversion runs on global rank 0 in a child process (`deepspeed.checkpoint.ds_to_universal`, the tool DeepSpeed
+ships) into `checkpoint-N/.universal.tmp/`, renamed to `universal/` when complete: a crash half-way leaves only the
+staging directory, which nothing trusts and the next start removes. The other ranks wait by watching the file system,
+not in a collective: converting a 70B checkpoint (~1 TB of optimizer state) takes far longer than a process group's
+timeout."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from recipes.training import checkpointing
+from recipes.training.checkpointing import CheckpointError
+
+logger = logging.getLogger("pretrain")
+
+STAGING = ".universal.tmp"
+FAILED = ".universal.failed"  # rank 0's error, for the ranks that wait (they cannot see its exception)
+POLL_S = 1.0
+
+
+def convert(checkpoint: Path, workers: int | None = None) -> float:
+    """`checkpoint`'s universal form, written atomically (rank 0). Returns the seconds it took."""
+    started = time.perf_counter()
+    staging = checkpoint / STAGING
+    workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+               str(checkpoint / "pytorch_model"), "--output_folder", str(staging / "pytorch_model"),
+               "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]  # fmt: skip
+    logger.info("elastic: converting %s to DeepSpeed's universal format (%d workers)", checkpoint.name, workers)
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0 or not (staging / "pytorch_model" / "zero").is_dir():
+        shutil.rmtree(staging, ignore_errors=True)
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+        message = (f"elastic: converting {checkpoint} to the universal format failed (exit {result.returncode}): "
+                   f"{tail[0]}")  # fmt: skip
+        (checkpoint / FAILED).write_text(message)
+        raise CheckpointError(message)
+    os.replace(staging, checkpoint / checkpointing.UNIVERSAL_DIR)
+    seconds = time.perf_counter() - started
+    logger.info("elastic: %s converted in %.1f s", checkpoint.name, seconds)
+    return seconds
+
+
+def wait_for_conversion(checkpoint: Path) -> None:
+    """On the ranks other than 0: until rank 0's conversion is published, or has failed (its message raised here)."""
+    while not checkpointing.has_universal(checkpoint):
+        if (checkpoint / FAILED).is_file():
+            raise CheckpointError((checkpoint / FAILED).read_text())
+        time.sleep(POLL_S)
+
+
+def ensure_universal(checkpoint: Path, accelerator) -> None:
+    """Every rank (a collective): `checkpoint` has its universal form when this returns, converted now if it had
+    none. Rank 0 clears what an earlier, killed or failed, conversion left before anyone looks."""
+    if checkpointing.has_universal(checkpoint):
+        return
+    if accelerator.is_main_process:
+        shutil.rmtree(checkpoint / STAGING, ignore_errors=True)
+        (checkpoint / FAILED).unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        convert(checkpoint)
+    else:
+        wait_for_conversion(checkpoint)
+    accelerator.wait_for_everyone()
