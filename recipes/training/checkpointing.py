@@ -26,7 +26,7 @@ import yaml
 
 from common.collectives import ranks_where
 from common.files import atomic_write_text, sha256_of
-from common.lock import held_by_someone
+from common.lock import FileLock, LockedError, held_by_someone
 
 logger = logging.getLogger("pretrain")
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
@@ -253,10 +253,15 @@ def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
     removed = []
     for lock in sorted(directory.glob(".*.export-lock")):
         staging = lock.with_name(lock.name.removesuffix(".export-lock") + ".tmp")
-        if staging.is_dir() and not held_by_someone(lock):
-            size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
-            shutil.rmtree(staging, ignore_errors=True)
-            removed.append((staging, size))
+        if not staging.is_dir():
+            continue
+        try:  # held while removing, as an export holds it: one starting meanwhile is refused, not removed under
+            with FileLock(lock, what="a starting run removing a killed export's staging"):
+                size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
+                shutil.rmtree(staging, ignore_errors=True)
+        except LockedError:  # an export at work
+            continue
+        removed.append((staging, size))
     return removed
 
 
