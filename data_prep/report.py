@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.cleaning.report import cleaning_section, find_clean_report
+
 BINS_PER_OCTAVE = 16
 NUM_BINS = 32 * BINS_PER_OCTAVE  # lengths up to 2^32 tokens
 SHORT_DOCUMENT_TOKENS = 16  # a document this short is usually a boilerplate fragment, not text to learn from
@@ -126,6 +128,9 @@ def render_markdown(manifest: dict, stats: CorpusStats, inputs: list[str]) -> st
     ]
     for reason, examples in manifest.get("skipped_examples", {}).items():
         lines.append(f"  - {reason}: " + "; ".join(f"`{e}`" for e in examples))
+    cleaned = find_clean_report(inputs)
+    if cleaned:
+        lines += cleaning_section(cleaned)
     lines += ["", f"![document length histogram]({REPORT_PNG})", ""]
     return "\n".join(lines)
 

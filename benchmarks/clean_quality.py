@@ -1,0 +1,182 @@
+"""Throughput, memory and near-duplicate recall of the cleaning stage (`data_prep.clean`), on a corpus of real text.
+
+    python -m benchmarks.clean_quality --input 'realtext/*.jsonl' --output /tmp/bench [--workers 2] [--copies 2000]
+
+1. Throughput: the corpus cleaned with the shipped filters and dedup off (filters alone), then with dedup on too.
+   MB/s per core = input MB / wall seconds / workers. Peak memory: the largest resident set of any one process of
+   the run (ru_maxrss of its process tree).
+2. Recall and false positives: `--copies` documents of >= 200 words and >= 3 lines get a near-copy each: ~2 % of its
+   words replaced by words of other documents, two of its lines swapped and a header line added. The copies go into
+   a file of their own (another input file than every original). The corpus and the copies are then cleaned with
+   dedup only (no quality filter, so every removal is a dedup decision). Recall: the share of (original, copy) pairs
+   of which one was removed. A false positive: a removed document that is neither an original nor a copy and shares
+   under half of its word 5-grams (Jaccard) with every other document (checked exactly, not by MinHash); the rate is
+   over the documents that are neither.
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+
+from data_prep.readers import iter_records, open_binary
+
+REPO = Path(__file__).resolve().parent.parent
+MIN_WORDS, MIN_LINES, CHANGED_WORDS = 200, 3, 0.02
+DISTINCT_BELOW_JACCARD = 0.5
+PLANTED = "planted.jsonl"
+WORD = re.compile(r"\w+")
+
+
+def near_copy(text: str, vocabulary: list[str], rng: random.Random) -> str:
+    """~2 % of the words replaced, two lines swapped, a header line added."""
+    lines = text.split("\n")
+    first, second = rng.sample([i for i, line in enumerate(lines) if line.strip()], 2)
+    lines[first], lines[second] = lines[second], lines[first]
+    words = [line.split(" ") for line in lines]
+    positions = [(i, j) for i, line in enumerate(words) for j, word in enumerate(line) if word]
+    for i, j in rng.sample(positions, max(1, round(CHANGED_WORDS * len(positions)))):
+        words[i][j] = rng.choice(vocabulary)
+    header = f"Archived copy {rng.randint(1, 9999)} retrieved on 2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+    return "\n".join([header, *(" ".join(line) for line in words)])
+
+
+def documents(files: list[str]) -> list[tuple[str, str]]:
+    """(id as data_prep.clean names it, text) of every document."""
+    return [(f"{Path(path).name}:{record.line}", record.text) for path in files
+            for record in iter_records(path) if record.text is not None]  # fmt: skip
+
+
+def plant(docs: list[tuple[str, str]], copies: int, folder: Path, rng: random.Random) -> dict[str, str]:
+    """Writes the copies to folder/planted.jsonl; returns {copy id: original id}."""
+    eligible = [(doc_id, text) for doc_id, text in docs if len(text.split()) >= MIN_WORDS
+                and sum(1 for line in text.split("\n") if line.strip()) >= MIN_LINES]  # fmt: skip
+    chosen = rng.sample(eligible, min(copies, len(eligible)))
+    vocabulary = [word for _, text in rng.sample(docs, min(len(docs), 200)) for word in text.split()[:200]]
+    pairs = {}
+    with open(folder / PLANTED, "w") as handle:
+        for line, (doc_id, text) in enumerate(chosen, start=1):
+            handle.write(json.dumps({"text": near_copy(text, vocabulary, rng)}) + "\n")
+            pairs[f"{PLANTED}:{line}"] = doc_id
+    return pairs
+
+
+def clean(inputs: list[str], output: Path, config: dict, workers: int) -> dict:
+    """One data_prep.clean run in a process of its own: wall seconds, peak RSS of its largest process, kept ids."""
+    config_path = output.with_suffix(".yaml")
+    config_path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "data_prep.clean", "--input", *inputs, "--output", str(output), "--config",
+               str(config_path), "--workers", str(workers)]  # fmt: skip
+    probe = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL)"
+             ".returncode; print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")  # fmt: skip
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", probe, *command], cwd=REPO, capture_output=True, text=True)
+    wall_s = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"data_prep.clean failed: {result.stderr[-2000:]}")
+    kept = set()
+    for shard in sorted((output / "data").glob("*.jsonl.zst")):
+        with open_binary(shard) as handle:
+            kept.update(json.loads(line)["id"] for line in handle)
+    return {"wall_s": wall_s, "peak_rss_mb": int(result.stdout.split()[-1]) / 1024, "kept": kept}
+
+
+def shingles(text: str) -> set[int]:
+    words = WORD.findall(text.lower())
+    return {hash(tuple(words[i : i + 5])) for i in range(max(len(words) - 4, 1))}
+
+
+def best_jaccard(suspects: list[str], docs: dict[str, str]) -> dict[str, float]:
+    """For each suspect, its highest exact 5-gram Jaccard similarity with any other document (one pass)."""
+    own = {doc_id: shingles(docs[doc_id]) for doc_id in suspects}
+    index = defaultdict(list)
+    for doc_id, grams in own.items():
+        for gram in grams:
+            index[gram].append(doc_id)
+    best = dict.fromkeys(suspects, 0.0)
+    for other_id, text in docs.items():
+        grams = shingles(text)
+        shared = defaultdict(int)
+        for gram in grams:
+            for doc_id in index.get(gram, ()):
+                shared[doc_id] += 1
+        for doc_id, count in shared.items():
+            if doc_id != other_id:
+                similarity = count / (len(own[doc_id]) + len(grams) - count)
+                best[doc_id] = max(best[doc_id], similarity)
+    return best
+
+
+def quality(files: list[str], copies: int, work: Path, workers: int, rng: random.Random) -> dict:
+    docs = documents(files)
+    pairs = plant(docs, copies, work, rng)
+    run = clean([*files, str(work / PLANTED)], work / "dedup_only", {"filters": {}}, workers)
+    found = sum((copy_id in run["kept"]) != (original in run["kept"]) for copy_id, original in pairs.items())
+    planted = set(pairs) | set(pairs.values())
+    every = dict(docs) | dict(documents([str(work / PLANTED)]))
+    suspects = [doc_id for doc_id in every if doc_id not in run["kept"] and doc_id not in planted]
+    similarity = best_jaccard(suspects, every)
+    false_positives = [doc_id for doc_id, value in similarity.items() if value < DISTINCT_BELOW_JACCARD]
+    distinct = len(every) - len(planted)
+    return {
+        "planted_pairs": len(pairs),
+        "recall": found / max(len(pairs), 1),
+        "other_documents": distinct,
+        "other_removed": len(suspects),
+        "false_positives": len(false_positives),
+        "false_positive_rate": len(false_positives) / max(distinct, 1),
+        "false_positive_examples": false_positives[:5],
+        "dedup_only_wall_s": run["wall_s"],
+    }
+
+
+def throughput(files: list[str], work: Path, workers: int) -> dict:
+    from data_prep.cleaning.config import load_clean_config
+
+    shipped = load_clean_config().to_dict()
+    megabytes = sum(len(text.encode()) for _, text in documents(files)) / 1e6
+    result = {"input_mb": megabytes, "workers": workers}
+    for name, dedup in (("filters", False), ("filters_and_dedup", True)):
+        run = clean(files, work / name, {**shipped, "dedup": {**shipped["dedup"], "enabled": dedup}}, workers)
+        result[f"{name}_wall_s"] = run["wall_s"]
+        result[f"{name}_mb_per_s_per_core"] = megabytes / run["wall_s"] / workers
+        result[f"{name}_peak_rss_mb"] = run["peak_rss_mb"]
+        result[f"{name}_kept_docs"] = len(run["kept"])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", nargs="+", required=True, help="jsonl files or globs of real text")
+    parser.add_argument("--output", help="scratch directory (default: a temporary one, removed)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--copies", type=int, default=2000, help="near-copies planted for the recall measurement")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args(argv)
+    files = sorted({path for pattern in args.input for path in (glob.glob(pattern) or [pattern])})
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(args.output or scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        report = quality(files, args.copies, work, args.workers, random.Random(0))
+        if not args.skip_throughput:
+            report |= throughput(files, work, args.workers)
+    for key, value in report.items():
+        print(f"{key:>40}: {value:.4g}" if isinstance(value, float) else f"{key:>40}: {value}")
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

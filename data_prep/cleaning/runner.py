@@ -1,0 +1,206 @@
+"""Running the cleaning stages: on this machine (datatrove's local executor, one process per task up to `workers`) or
+as dependent Slurm job arrays (datatrove's Slurm executor). Both continue a killed or failed run from the tasks it
+had not finished, refuse a run whose settings or inputs differ from the ones the output was started with, and refuse
+a second run into an output that another one is still writing."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from datatrove.executor import LocalPipelineExecutor
+
+from common.files import atomic_write_text, fingerprint, fingerprint_change
+from data_prep.cleaning.report import REPORT_JSON
+from data_prep.cleaning.stages import CleanJob, stages
+
+SETTINGS = "settings.json"
+SLURM_JOBS = "slurm_jobs.json"
+LOG = "logs/clean.log"
+PR_SET_PDEATHSIG = 1
+
+
+class CleanError(RuntimeError):
+    """A refusal or a failure the user can act on; the message says what and where."""
+
+
+def settings_of(job: CleanJob) -> dict:
+    return {
+        "inputs": [str(Path(path).resolve()) for path in job.files],
+        "config": job.config.to_dict(),
+        "tasks": job.tasks,
+        "text_field": job.text_field,
+        "strict": job.strict,
+        "skip_corrupt_files": job.skip_corrupt_files,
+        "keep_removed": job.keep_removed,
+    }
+
+
+def prepare(job: CleanJob) -> bool:
+    """Check `job` against what its output holds; True when the output is already complete. Records the settings
+    and the inputs' fingerprints on a first start."""
+    out, work = Path(job.out), job.work
+    if out.exists() and not (work / SETTINGS).exists() and any(p.name != ".lock" for p in out.iterdir()):
+        raise CleanError(f"--output {out} holds files that are not a cleaning run's; choose a new or empty directory")
+    settings = settings_of(job)
+    if (work / SETTINGS).exists():
+        recorded = json.loads((work / SETTINGS).read_text())
+        for key, value in settings.items():
+            if recorded.get(key) != value:
+                raise CleanError(f"--output {out} was started with other {key} ({recorded.get(key)!r}, now "
+                                 f"{value!r}); run the same command to continue it, or use a new --output")  # fmt: skip
+        for path, before in zip(job.files, recorded["input_fingerprints"], strict=True):
+            change = fingerprint_change(path, before)
+            if change:
+                raise CleanError(f"--input {path} changed since {out} was started ({change}); clean into a new "
+                                 "--output")  # fmt: skip
+        return (out / REPORT_JSON).exists()
+    work.mkdir(parents=True, exist_ok=True)
+    settings["input_fingerprints"] = [fingerprint(path) for path in job.files]
+    atomic_write_text(work / SETTINGS, json.dumps(settings, indent=2))
+    return False
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """A task process is killed when the run's process goes (SIGKILL included), so that a killed run leaves no task
+    writing into the output that the next run would also write."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os._exit(1)
+
+
+_STAGE = None  # the executor of the stage being run; the forked task processes inherit it
+
+
+def _run_task(rank: int) -> None:
+    copy.deepcopy(_STAGE)._run_for_rank(rank)  # steps keep per-task state: a fresh copy for each task
+
+
+def run_stage(executor: LocalPipelineExecutor, workers: int) -> None:
+    """The stage's unfinished tasks, `workers` at a time, each in a process of its own forked from this one.
+    (datatrove's own `run` also starts a manager process that outlives a killed run.)"""
+    global _STAGE
+    _STAGE = executor
+    ranks = executor.get_incomplete_ranks()
+    # Forked by this (main) thread only, at the start: PR_SET_PDEATHSIG fires when the forking *thread* ends, and the
+    # pool's own thread, which replaces workers, ends at every pool's close.
+    with multiprocessing.get_context("fork").Pool(min(workers, max(len(ranks), 1)), _die_with_parent,
+                                                  (os.getpid(),)) as pool:  # fmt: skip
+        for _ in pool.imap_unordered(_run_task, ranks):
+            pass
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path):
+    """datatrove's and its task processes' log lines go to `path` (they print every task's pipeline and stats)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved, target = os.dup(2), os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(target, 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(target)
+
+
+def run_local(job: CleanJob, workers: int, log=print) -> None:
+    """Every stage in turn on this machine; a stage's completed tasks are skipped."""
+    errors = job.work / "errors"
+    for stale in errors.glob("*.txt"):
+        stale.unlink()
+    log(f"log: {job.work / LOG}")
+    with stderr_to(job.work / LOG):
+        for stage in stages(job):
+            started = time.perf_counter()
+            executor = LocalPipelineExecutor(stage.pipeline, tasks=stage.tasks,
+                                             logging_dir=str(job.work / "stages" / stage.name))  # fmt: skip
+            try:
+                run_stage(executor, workers)
+            except Exception as error:  # a task failed: its own message when it left one
+                raise CleanError(_task_error(errors) or f"stage {stage.name} failed ({type(error).__name__}: "
+                                 f"{error}); see {job.work / LOG}") from None  # fmt: skip
+            missing = executor.get_incomplete_ranks()
+            if missing:
+                raise CleanError(f"stage {stage.name}: tasks {missing[:10]} did not complete; see {job.work / LOG}")
+            log(f"{stage.name}: {stage.tasks} task(s) done in {time.perf_counter() - started:.1f} s")
+
+
+def _task_error(errors: Path) -> str | None:
+    found = sorted(errors.glob("*.txt"))
+    return found[0].read_text() if found else None
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    partition: str
+    time: str = "24:00:00"
+    cpus_per_task: int = 1
+    mem_per_cpu_gb: int = 2
+    venv: str | None = None  # bin/activate of the environment every node runs; default: this one
+    qos: str | None = None
+    sbatch_args: dict = field(default_factory=dict)
+
+
+def submit_slurm(job: CleanJob, options: SlurmOptions, log=print) -> list[str]:
+    """The stages as dependent job arrays (each waits for the one before to succeed); returns their job ids."""
+    from datatrove.executor import SlurmPipelineExecutor
+
+    live = live_slurm_jobs(job.work)
+    if live:
+        raise CleanError(f"--output {job.out} is being cleaned by Slurm job(s) {', '.join(live)}; wait for them to "
+                         "end or scancel them")  # fmt: skip
+    venv = options.venv or str(Path(sys.prefix) / "bin" / "activate")
+    previous, executors = None, []
+    for stage in stages(job):
+        previous = SlurmPipelineExecutor(
+            stage.pipeline, tasks=stage.tasks, time=options.time, partition=options.partition,
+            cpus_per_task=options.cpus_per_task, mem_per_cpu_gb=options.mem_per_cpu_gb, qos=options.qos or "",
+            job_name=f"clean-{stage.name}", venv_path=venv, sbatch_args=dict(options.sbatch_args),
+            logging_dir=str(job.work / "stages" / stage.name), depends=previous,
+        )  # fmt: skip
+        executors.append((stage, previous))
+    with stderr_to(job.work / LOG):
+        try:
+            previous.run()
+        except subprocess.CalledProcessError as error:
+            raise CleanError(f"sbatch refused a job ({error}); see {job.work / LOG}") from None
+    ids = [str(executor.job_id) for _, executor in executors if executor.job_id not in (None, -1)]
+    atomic_write_text(job.work / SLURM_JOBS, json.dumps(ids))
+    for stage, executor in executors:
+        state = "already complete" if executor.job_id == -1 else f"job {executor.job_id}"
+        log(f"{stage.name}: {stage.tasks} task(s), {state}")
+    return ids
+
+
+def live_slurm_jobs(work: Path) -> list[str]:
+    """The recorded jobs of this output that Slurm still has pending or running. A job left waiting on a dependency
+    that failed never runs: it is cancelled here, not counted."""
+    try:
+        ids = json.loads((work / SLURM_JOBS).read_text())
+    except (OSError, ValueError):
+        return []
+    if not ids:
+        return []
+    listed = subprocess.run(["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(ids)], capture_output=True, text=True)
+    live = []
+    for line in listed.stdout.splitlines():
+        job_id, state, reason = (line.split(maxsplit=2) + ["", ""])[:3]
+        if state == "PENDING" and "DependencyNeverSatisfied" in reason:
+            subprocess.run(["scancel", job_id], check=False)
+        elif state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED"):
+            live.append(job_id.split("_")[0])
+    return sorted(set(live))
