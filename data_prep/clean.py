@@ -14,6 +14,7 @@ is written by one run at a time. `--executor slurm` submits the stages as depend
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -73,7 +74,7 @@ def build_job(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from common.lock import DirectoryLock, LockedError
-    from data_prep.cleaning.report import REPORT_JSON, REPORT_MD
+    from data_prep.cleaning.report import REPORT_JSON, REPORT_MD, summary_table
     from data_prep.cleaning.runner import CleanError, SlurmOptions, live_slurm_jobs, prepare, run_local, submit_slurm
 
     job = build_job(args)
@@ -106,7 +107,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"submitted; {report} appears when the last stage ends (logs: {job.work / 'stages'})")
             return 0
         raise CleanError(f"the run ended without its report; see the logs under {job.work / 'stages'}")
-    print(f"done: {Path(job.out) / 'data'} (report: {Path(job.out) / REPORT_MD})")
+    finished = json.loads(report.read_text())
+    print("\n".join(summary_table(finished)))
+    print(
+        f"done: {finished['read']['docs_out']:,} documents in, {finished['output']['docs']:,} kept in "
+        f"{Path(job.out) / 'data'} (report: {Path(job.out) / REPORT_MD})"
+    )
     return 0
 
 

@@ -57,3 +57,16 @@ def test_eval_in_loop_times_both_modes_on_two_ranks():
     report = run_benchmark("eval_in_loop", "--limit", "2", "--max-gen-toks", "4", "--repeats", "1")
     assert report["replicated_s"] > 0 and report["sharded_s"] > 0
     assert report["speedup"] == pytest.approx(report["replicated_s"] / report["sharded_s"])
+
+
+def test_clean_quality_plants_copies_and_measures_them(tmp_path):
+    from tests.test_clean import write_cleaning_corpus
+
+    corpus = write_cleaning_corpus(tmp_path / "raw", documents=30, copies=0)
+    report = run_benchmark("clean_quality", "--input", *corpus["files"], "--copies", "8", "--workers", "2")
+    # 8 copies with 2 % of the words changed, similarity ~0.74 on these 260-word documents: each found with
+    # probability ~0.96 (the figure that matters is the benchmark's, on real text)
+    assert report["planted_pairs"] == 8 and report["recall"] >= 0.75
+    assert report["false_positives"] == 0 and report["other_documents"] == 30 + 2 - 8  # + noise, - originals
+    assert report["filters_kept_docs"] == 30 and report["filters_and_dedup_kept_docs"] == 30
+    assert report["filters_mb_per_s_per_core"] > 0 and report["filters_and_dedup_peak_rss_mb"] > 0

@@ -1,8 +1,11 @@
-"""Training on a preprocessed directory under real 2-process ZeRO-3, with 2 dataloader workers per rank
+"""Training on a cleaned and preprocessed directory under real 2-process ZeRO-3, with 2 dataloader workers per rank
 and document masking: a relaunch in a fresh process continues with exactly the batches an uninterrupted
 run draws, and a checkpoint whose data position is reset does not."""
 
+import json
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -10,7 +13,7 @@ import torch
 
 from data_prep.preprocess import preprocess
 from recipes.training.checkpointing import read_manifest
-from tests.conftest import REPO, data_position, forge_data_position, launch, tiny_overrides, train_losses
+from tests.conftest import LAUNCH_ENV, REPO, data_position, forge_data_position, launch, tiny_overrides, train_losses
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,9 +22,20 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def packed_dir(tmp_path_factory, corpus):
-    out = tmp_path_factory.mktemp("packed") / "train"
-    preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(out), 128, 2, rows_per_shard=500)
-    return out
+    """The corpus through the three data stages: cleaned (data_prep.clean: the unknown-character filter and MinHash
+    dedup, as the Python sources it holds are not prose for the word-based filters), preprocessed, then trained on."""
+    root = tmp_path_factory.mktemp("packed")
+    config = root / "clean.yaml"
+    config.write_text("filters: {unknown_characters: {}}\n")
+    cleaned = subprocess.run([sys.executable, "-m", "data_prep.clean", "--input", str(corpus["train"]), "--output",
+                              str(root / "cleaned"), "--config", str(config), "--workers", "2"],
+                             cwd=REPO, env=LAUNCH_ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert cleaned.returncode == 0, cleaned.stderr[-3000:]
+    shards = sorted(str(path) for path in (root / "cleaned" / "data").glob("*.jsonl.zst"))
+    manifest = preprocess(str(corpus["tokenizer"]), shards, str(root / "train"), 128, 2, rows_per_shard=500)
+    kept = json.loads((root / "cleaned" / "clean_report.json").read_text())["output"]["docs"]
+    assert manifest["num_documents"] == kept > 0
+    return root / "train"
 
 
 def run_args(corpus, packed_dir, output_dir, **extra):

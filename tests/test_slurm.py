@@ -210,3 +210,36 @@ def test_preprocessing_as_a_job_array_merges_into_the_single_machine_corpus(slur
     for key in ("num_documents", "num_document_tokens"):
         assert merged[key] == single[key], key
     assert all(part["num_documents"] > 0 for part in merged["merged_from"]), "each task made a part"
+
+
+@pytest.mark.slurm
+def test_cleaning_as_dependent_job_arrays_gives_the_local_result(slurm, tmp_path):
+    """data_prep.clean --executor slurm: every stage a job array waiting on the one before (datatrove's Slurm
+    executor), run on both nodes; a second submission is refused while the first's jobs live; the output and the
+    report are those of a local run of the same command, and the same command afterwards has nothing to do."""
+    from tests.test_clean import clean_command, output_lines, run_clean, write_cleaning_corpus
+
+    corpus = write_cleaning_corpus(tmp_path / "raw", documents=45, copies=6)
+    config = tmp_path / "clean.yaml"  # 4 buckets instead of 20: fewer jobs on a 4-CPU cluster, the same stages
+    config.write_text("filters: {unknown_characters: {}, gopher_repetition: {}, gopher_quality: {}}\n"
+                      "dedup: {num_buckets: 4, hashes_per_bucket: 5}\n")  # fmt: skip
+    local = run_clean(corpus["files"], tmp_path / "local", "--config", str(config))
+    assert local.returncode == 0, local.stderr[-3000:]
+    command = clean_command(corpus["files"], tmp_path / "slurm", "--config", str(config), "--executor", "slurm",
+                            "--partition", "debug", "--mem-per-cpu-gb", "1", "--time", "10")  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "submitted" in result.stdout, result.stdout + result.stderr[-3000:]
+    jobs = [line.split("job ")[1] for line in result.stdout.splitlines() if ": " in line and "job " in line]
+    assert len(jobs) == 6, result.stdout  # filter, signatures, buckets, clusters, dedup, finish
+    second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and "is being cleaned by Slurm job(s)" in second.stderr, second.stderr
+    deadline = time.time() + 300
+    while not (tmp_path / "slurm" / "clean_report.json").exists():
+        logs = sorted((tmp_path / "slurm" / ".clean" / "stages").rglob("slurm_logs/*.out"))
+        assert time.time() < deadline, "\n".join(log.read_text()[-1500:] for log in logs[-3:])
+        time.sleep(1)
+    assert output_lines(tmp_path / "slurm") == output_lines(tmp_path / "local")
+    reports = [json.loads((tmp_path / name / "clean_report.json").read_text()) for name in ("local", "slurm")]
+    assert reports[0]["steps"] == reports[1]["steps"] and reports[1]["steps"]["near_duplicates"]["docs_out"] < 51
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "already complete" in again.stdout, again.stdout + again.stderr

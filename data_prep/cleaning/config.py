@@ -45,7 +45,7 @@ class DedupConfig:
     enabled: bool = True
     n_grams: int = 5
     num_buckets: int = 20
-    hashes_per_bucket: int = 5
+    hashes_per_bucket: int = 6
     seed: int = 1
 
     def minhash(self):

@@ -38,6 +38,7 @@ def settings_of(job: CleanJob) -> dict:
     return {
         "inputs": [str(Path(path).resolve()) for path in job.files],
         "config": job.config.to_dict(),
+        "filter_order": [choice.name for choice in job.config.filters],  # dicts compare equal in any order
         "tasks": job.tasks,
         "text_field": job.text_field,
         "strict": job.strict,
@@ -50,7 +51,8 @@ def prepare(job: CleanJob) -> bool:
     """Check `job` against what its output holds; True when the output is already complete. Records the settings
     and the inputs' fingerprints on a first start."""
     out, work = Path(job.out), job.work
-    if out.exists() and not (work / SETTINGS).exists() and any(p.name != ".lock" for p in out.iterdir()):
+    foreign = [path for path in out.iterdir() if path.name not in (".lock", work.name)] if out.exists() else []
+    if foreign and not (work / SETTINGS).exists():
         raise CleanError(f"--output {out} holds files that are not a cleaning run's; choose a new or empty directory")
     settings = settings_of(job)
     if (work / SETTINGS).exists():
@@ -195,7 +197,10 @@ def live_slurm_jobs(work: Path) -> list[str]:
         return []
     if not ids:
         return []
-    listed = subprocess.run(["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(ids)], capture_output=True, text=True)
+    try:
+        listed = subprocess.run(["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(ids)], capture_output=True, text=True)
+    except FileNotFoundError:  # continued on a machine without Slurm: its jobs cannot be asked about
+        return []
     live = []
     for line in listed.stdout.splitlines():
         job_id, state, reason = (line.split(maxsplit=2) + ["", ""])[:3]
