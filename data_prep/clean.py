@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from common.lock import DirectoryLock, LockedError
     from data_prep.cleaning.report import REPORT_JSON, REPORT_MD, summary_table
     from data_prep.cleaning.runner import CleanError, SlurmOptions, live_slurm_jobs, prepare, run_local, submit_slurm
+    from data_prep.cleaning.stages import remove_intermediates
 
     job = build_job(args)
     try:
@@ -83,13 +84,14 @@ def run(args: argparse.Namespace) -> int:
     except LockedError as error:
         raise CleanError(f"--output {error}") from None
     try:
+        if prepare(job):
+            remove_intermediates(job.work)  # again: a kill may have come between the report and their removal
+            print(f"{job.out} is already complete (same settings and inputs); nothing to do")
+            return 0
         live = live_slurm_jobs(job.work)
         if live:
             raise CleanError(f"--output {job.out} is being cleaned by Slurm job(s) {', '.join(live)}; wait for them "
                              "to end or scancel them")  # fmt: skip
-        if prepare(job):
-            print(f"{job.out} is already complete (same settings and inputs); nothing to do")
-            return 0
         if args.executor == "local":
             run_local(job, args.workers)
         else:
@@ -106,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         if args.executor == "slurm" and not args.wait:
             print(f"submitted; {report} appears when the last stage ends (logs: {job.work / 'stages'})")
             return 0
-        raise CleanError(f"the run ended without its report; see the logs under {job.work / 'stages'}")
+        failed = sorted((job.work / "errors").glob("*.txt"))  # a task's own message for bad input, if it left one
+        raise CleanError(failed[0].read_text() if failed else f"the run ended without its report; see the logs "
+                         f"under {job.work / 'stages'}")  # fmt: skip
     finished = json.loads(report.read_text())
     print("\n".join(summary_table(finished)))
     print(

@@ -158,14 +158,14 @@ def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 120) -> N
 
 def test_a_kill_at_any_moment_is_continued_by_the_same_command_to_the_same_output(cleaned, tmp_path):
     """The whole process tree killed inside the filter stage (frozen first while a second run into the same output is
-    refused), the run's main process alone inside the MinHash signatures (its task processes must die with it), the
-    whole tree again inside the duplicate filter; the same command then runs to the end: the output and the
-    report's counts are those of the uninterrupted run."""
+    refused), the run's main process alone inside the MinHash signatures (its task processes must die with it), one
+    task process alone inside the duplicate filter (the run must stop, not wait for it forever); the same command
+    then runs to the end: the output and the report's counts are those of the uninterrupted run."""
     output = tmp_path / "out"
     for stage in ("filter", "signatures", "dedup"):
         command = clean_command(cleaned["files"], output)
         process = subprocess.Popen(command, cwd=REPO, env=LAUNCH_ENV, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
         wait_for(output / ".clean" / "stages" / stage / "logs" / "task_00000.log", process)
         if stage == "filter":
             tree = [process.pid, *(child.pid for child in psutil.Process(process.pid).children(recursive=True))]
@@ -178,6 +178,10 @@ def test_a_kill_at_any_moment_is_continued_by_the_same_command_to_the_same_outpu
             process.kill()
             process.wait()
             assert tasks and not psutil.wait_procs(tasks, timeout=10)[1], "task processes outlived the killed run"
+            continue
+        if stage == "dedup":  # one task process only, as the OOM killer does: the run stops saying so, no hang
+            psutil.Process(process.pid).children()[0].kill()
+            assert process.wait(timeout=60) == 2 and "a task process of stage dedup died" in process.stderr.read()
             continue
         assert kill_tree(process.pid) >= 2, "the run's task processes were not there to kill"
     result = run_clean(cleaned["files"], output)
@@ -198,13 +202,17 @@ def refusal(capsys, inputs: list[str], output: Path, *extra: str) -> str:
 
 
 def test_changed_settings_or_inputs_are_refused_naming_them(cleaned, tmp_path, capsys):
-    config = tmp_path / "no_dedup.yaml"
-    config.write_text("filters: {gopher_quality: {}}\ndedup: {enabled: false}\n")
+    config = tmp_path / "no_dedup.yaml"  # with a list argument: saved as JSON, it must still compare equal
+    config.write_text("filters: {gopher_quality: {stop_words: [the, be, to, of, and]}}\ndedup: {enabled: false}\n")
     assert "was started with other config" in refusal(capsys, cleaned["files"], cleaned["out"], "--config", str(config))
     assert "other strict (False, now True)" in refusal(capsys, cleaned["files"], cleaned["out"], "--strict")
     copied = [shutil.copy(path, tmp_path) for path in cleaned["files"]]
     out = tmp_path / "out"
     assert run_clean(copied, out, "--config", str(config)).returncode == 0
+    from data_prep.clean import main
+
+    assert main(["--input", *copied, "--output", str(out), "--config", str(config)]) == 0
+    assert "already complete" in capsys.readouterr().out
     with open(copied[0], "a") as handle:
         handle.write(json.dumps({"text": "one more"}) + "\n")
     assert f"--input {copied[0]} changed since" in refusal(capsys, copied, out, "--config", str(config))
@@ -240,6 +248,8 @@ def test_bad_input_is_one_line_before_work_or_skipped_and_counted(cleaned, tmp_p
         ("filters: {unknown_characters: {max_share: 2}}", "filters.unknown_characters: max_share must be a share"),
         ("filters: {c4_badwords: {words_file: /nowhere/en}}", "filters.c4_badwords: [Errno 2]"),
         ("dedup: {num_buckets: 0}", "dedup.num_buckets must be a positive whole number"),
+        ("filters: {fineweb_quality: {line_punct_thr: 1e-2}}", "must be a number like its default 0.12, not '1e-2'"),
+        ("filters: {gopher_quality: {min_doc_words: true}}", "gopher_quality.min_doc_words must be a number"),
         ("dedup: {buckets: 4}", "dedup.buckets is not a setting"),
         ("language: klingon", "language 'klingon' has no word tokenizer"),
         ("filter: {}", "unknown key(s) ['filter']"),

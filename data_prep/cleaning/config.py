@@ -125,8 +125,24 @@ def _filters(path: Path, raw: Any) -> tuple[FilterChoice, ...]:
         if wrong:
             raise CleanConfigError(f"{path}: filters.{name}.{wrong[0]} is not a setting of this filter; valid: "
                                    f"{', '.join(sorted(allowed))}")  # fmt: skip
+        defaults = inspect.signature(filter_class(name).__init__).parameters
+        for key, value in arguments.items():
+            _check_type(path, f"filters.{name}.{key}", value, defaults[key].default)
         chosen.append(FilterChoice(name, {key: _tuples(value) for key, value in arguments.items()}))
     return tuple(chosen)
+
+
+def _check_type(path: Path, key: str, value, default) -> None:
+    """A value of the default's kind (a number for a number, ...): datatrove's filters take what they are given and
+    would fail in every task instead (YAML reads 1e-2 as a string, for one)."""
+    if default is None or default is inspect.Parameter.empty:
+        return
+    kinds = {bool: ((bool,), "true or false"), int: ((int, float), "a number"), float: ((int, float), "a number"),
+             str: ((str,), "a string"), tuple: ((list, tuple), "a list")}  # fmt: skip
+    expected, words = next((kinds[kind] for kind in kinds if isinstance(default, kind)), ((object,), ""))
+    if not isinstance(value, expected) or isinstance(value, bool) and bool not in expected:
+        hint = " (YAML reads 1e-2 as a string: write 0.01)" if isinstance(value, str) and words == "a number" else ""
+        raise CleanConfigError(f"{path}: {key} must be {words} like its default {default!r}, not {value!r}{hint}")
 
 
 def _tuples(value):

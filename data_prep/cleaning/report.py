@@ -59,10 +59,9 @@ def build_report(job, shards: list[str]) -> dict:
     labels = [choice.name for choice in job.config.filters] + ([NEAR_DUPLICATES] if job.config.dedup.enabled else [])
     steps = {label: merge_audits(work, label) for label in labels}
     corpus_docs, corpus_bytes = max(read["docs_out"], 1), max(read["bytes_out"], 1)
-    for tally in steps.values():
-        removed_docs = sum(entry["docs"] for entry in tally["removed"].values())
-        removed_bytes = sum(entry["bytes"] for entry in tally["removed"].values())
-        tally["share_of_corpus"] = {"docs": removed_docs / corpus_docs, "bytes": removed_bytes / corpus_bytes}
+    for tally in steps.values():  # bytes: C4's filter also cuts lines out of the documents it keeps
+        tally["share_of_corpus"] = {"docs": (tally["docs_in"] - tally["docs_out"]) / corpus_docs,
+                                    "bytes": (tally["bytes_in"] - tally["bytes_out"]) / corpus_bytes}  # fmt: skip
     last = steps[labels[-1]] if labels else read
     sizes = cluster_sizes(work / "minhash" / "clusters") if job.config.dedup.enabled else {}
     return {

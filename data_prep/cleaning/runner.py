@@ -15,9 +15,12 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from datatrove.executor import LocalPipelineExecutor
 
 from common.files import atomic_write_text, fingerprint, fingerprint_change
@@ -54,7 +57,7 @@ def prepare(job: CleanJob) -> bool:
     foreign = [path for path in out.iterdir() if path.name not in (".lock", work.name)] if out.exists() else []
     if foreign and not (work / SETTINGS).exists():
         raise CleanError(f"--output {out} holds files that are not a cleaning run's; choose a new or empty directory")
-    settings = settings_of(job)
+    settings = json.loads(json.dumps(settings_of(job)))  # as saved: tuples become lists
     if (work / SETTINGS).exists():
         recorded = json.loads((work / SETTINGS).read_text())
         for key, value in settings.items():
@@ -90,17 +93,28 @@ def _run_task(rank: int) -> None:
 
 
 def run_stage(executor: LocalPipelineExecutor, workers: int) -> None:
-    """The stage's unfinished tasks, `workers` at a time, each in a process of its own forked from this one.
-    (datatrove's own `run` also starts a manager process that outlives a killed run.)"""
+    """The stage's unfinished tasks, `workers` at a time, in processes forked from this one. (datatrove's own `run`
+    starts a manager process that outlives a killed run, and its pool waits forever for a task whose process died.)
+    The first failure stops the stage at once: the other task processes are killed, not waited for."""
     global _STAGE
     _STAGE = executor
     ranks = executor.get_incomplete_ranks()
-    # Forked by this (main) thread only, at the start: PR_SET_PDEATHSIG fires when the forking *thread* ends, and the
-    # pool's own thread, which replaces workers, ends at every pool's close.
-    with multiprocessing.get_context("fork").Pool(min(workers, max(len(ranks), 1)), _die_with_parent,
-                                                  (os.getpid(),)) as pool:  # fmt: skip
-        for _ in pool.imap_unordered(_run_task, ranks):
-            pass
+    if not ranks:
+        return
+    # With fork, every worker is started at the first submit, by this (main) thread: PR_SET_PDEATHSIG fires when the
+    # forking *thread* ends. A worker that dies (kill -9, the OOM killer) breaks the pool: an error, not a hang.
+    pool = ProcessPoolExecutor(min(workers, len(ranks)), multiprocessing.get_context("fork"), _die_with_parent,
+                               (os.getpid(),))  # fmt: skip
+    try:
+        for future in as_completed([pool.submit(_run_task, rank) for rank in ranks]):
+            future.result()
+    except BaseException:
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 @contextlib.contextmanager
@@ -119,11 +133,16 @@ def stderr_to(path: Path):
         os.close(target)
 
 
+def clear_errors(work: Path) -> Path:
+    """The folder where a task leaves its message for bad input, emptied of an earlier run's."""
+    for stale in (work / "errors").glob("*.txt"):
+        stale.unlink()
+    return work / "errors"
+
+
 def run_local(job: CleanJob, workers: int, log=print) -> None:
     """Every stage in turn on this machine; a stage's completed tasks are skipped."""
-    errors = job.work / "errors"
-    for stale in errors.glob("*.txt"):
-        stale.unlink()
+    errors = clear_errors(job.work)
     log(f"log: {job.work / LOG}")
     with stderr_to(job.work / LOG):
         for stage in stages(job):
@@ -132,6 +151,9 @@ def run_local(job: CleanJob, workers: int, log=print) -> None:
                                              logging_dir=str(job.work / "stages" / stage.name))  # fmt: skip
             try:
                 run_stage(executor, workers)
+            except BrokenProcessPool:
+                raise CleanError(f"a task process of stage {stage.name} died (killed, or out of memory: see dmesg); "
+                                 "run the same command again to continue") from None  # fmt: skip
             except Exception as error:  # a task failed: its own message when it left one
                 raise CleanError(_task_error(errors) or f"stage {stage.name} failed ({type(error).__name__}: "
                                  f"{error}); see {job.work / LOG}") from None  # fmt: skip
@@ -158,13 +180,11 @@ class SlurmOptions:
 
 
 def submit_slurm(job: CleanJob, options: SlurmOptions, log=print) -> list[str]:
-    """The stages as dependent job arrays (each waits for the one before to succeed); returns their job ids."""
+    """The stages as dependent job arrays (each waits for the one before to succeed); returns their job ids. The
+    caller has checked that no job of an earlier submission still lives."""
     from datatrove.executor import SlurmPipelineExecutor
 
-    live = live_slurm_jobs(job.work)
-    if live:
-        raise CleanError(f"--output {job.out} is being cleaned by Slurm job(s) {', '.join(live)}; wait for them to "
-                         "end or scancel them")  # fmt: skip
+    clear_errors(job.work)
     venv = options.venv or str(Path(sys.prefix) / "bin" / "activate")
     previous, executors = None, []
     for stage in stages(job):
@@ -179,9 +199,11 @@ def submit_slurm(job: CleanJob, options: SlurmOptions, log=print) -> list[str]:
         try:
             previous.run()
         except subprocess.CalledProcessError as error:
-            raise CleanError(f"sbatch refused a job ({error}); see {job.work / LOG}") from None
-    ids = [str(executor.job_id) for _, executor in executors if executor.job_id not in (None, -1)]
-    atomic_write_text(job.work / SLURM_JOBS, json.dumps(ids))
+            raise CleanError(f"sbatch refused a job ({error}); the stages submitted before it are recorded and "
+                             f"named by the next run; see {job.work / LOG}") from None  # fmt: skip
+        finally:  # also when a later submission failed: the jobs already queued must be known to the next run
+            ids = [str(executor.job_id) for _, executor in executors if executor.job_id not in (None, -1)]
+            atomic_write_text(job.work / SLURM_JOBS, json.dumps(ids))
     for stage, executor in executors:
         state = "already complete" if executor.job_id == -1 else f"job {executor.job_id}"
         log(f"{stage.name}: {stage.tasks} task(s), {state}")
@@ -197,15 +219,34 @@ def live_slurm_jobs(work: Path) -> list[str]:
         return []
     if not ids:
         return []
-    try:
-        listed = subprocess.run(["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(ids)], capture_output=True, text=True)
-    except FileNotFoundError:  # continued on a machine without Slurm: its jobs cannot be asked about
-        return []
     live = []
-    for line in listed.stdout.splitlines():
+    for line in _squeue(ids).splitlines():
         job_id, state, reason = (line.split(maxsplit=2) + ["", ""])[:3]
         if state == "PENDING" and "DependencyNeverSatisfied" in reason:
             subprocess.run(["scancel", job_id], check=False)
-        elif state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED"):
+        elif state not in ENDED:
             live.append(job_id.split("_")[0])
     return sorted(set(live))
+
+
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE", "SPECIAL_EXIT"}  # fmt: skip
+
+
+def _squeue(ids: list[str], tries: int = 3) -> str:
+    """squeue's lines for these jobs ("" when Slurm has forgotten them all); an unanswered question is an error, not
+    "no job": a second run must not start while the first's jobs may be running."""
+    command = ["squeue", "-h", "-o", "%i %T %r", "-j", ",".join(ids)]
+    for attempt in range(tries):
+        try:
+            listed = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise CleanError(f"this output has Slurm jobs ({', '.join(ids)}) and squeue is not here to say whether "
+                             "they still run; continue it from a Slurm submit host (or, once they are known to have "
+                             f"ended, delete {SLURM_JOBS} in the output's .clean/)") from None  # fmt: skip
+        except subprocess.TimeoutExpired:
+            listed = subprocess.CompletedProcess(command, 1, "", "squeue timed out")
+        if listed.returncode == 0 or "Invalid job id" in listed.stderr:
+            return listed.stdout if listed.returncode == 0 else ""
+        time.sleep(5 * (attempt < tries - 1))
+    raise CleanError(f"squeue could not say whether this output's jobs still run ({listed.stderr.strip()}); try again")

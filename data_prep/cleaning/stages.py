@@ -83,7 +83,32 @@ def stages(job: CleanJob) -> list[Stage]:
             Stage("clusters", [MinhashDedupCluster(buckets, clusters, minhash, save_cluster_size=True)], 1),
             Stage("dedup", [ShardReader(after_filters), duplicates, shard_writer(job.folder("staging"))], job.tasks),
         ]  # fmt: skip
-    return [*chosen, Stage("finish", [Finish(job)], 1)]
+    chosen.append(Stage("finish", [Finish(job)], 1))
+    for index, stage in enumerate(chosen[1:], start=1):
+        stage.pipeline.insert(0, AfterStages(str(job.work), [(before.name, before.tasks) for before in chosen[:index]]))
+    return chosen
+
+
+class AfterStages(PipelineStep):
+    """First step of every stage but the first: each task of the stages before is complete. (Slurm's dependency is
+    `afterany` between the arrays datatrove splits a stage of over 1001 tasks into, so a failed task of an early
+    array would not stop the later stages on its own.)"""
+
+    name = "stages before complete"
+    type = "⚙ - CHECK"
+
+    def __init__(self, work: str, before: list[tuple[str, int]]):
+        super().__init__()
+        self.work, self.before = work, before
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        for name, tasks in self.before:
+            completions = Path(self.work) / "stages" / name / "completions"
+            done = {path.name for path in completions.glob("*")} if completions.is_dir() else set()
+            missing = [task for task in range(tasks) if f"{task:05d}" not in done]
+            if missing:
+                raise RuntimeError(f"stage {name} has unfinished tasks {missing[:10]}: run the same command again")
+        return data
 
 
 class Finish(PipelineStep):
@@ -104,6 +129,11 @@ class Finish(PipelineStep):
         if not published.exists():
             os.replace(staging, published)
         write_clean_report(self.job, sorted(str(path) for path in published.glob("*.jsonl.zst")))
-        for name in ("filtered", "minhash/signatures", "minhash/buckets", "scratch", "staging"):
-            shutil.rmtree(work / name, ignore_errors=True)
+        remove_intermediates(work)
         return iter(())
+
+
+def remove_intermediates(work: Path) -> None:
+    """The large intermediates, once the report is written (the clusters, audit counts and logs stay)."""
+    for name in ("filtered", "minhash/signatures", "minhash/buckets", "scratch", "staging"):
+        shutil.rmtree(work / name, ignore_errors=True)

@@ -187,7 +187,8 @@ class RemovedTally(JsonlWriter):
         self.tally, self.default_reason, self.keep = tally, default_reason, keep_folder is not None
 
     def write(self, document: Document, rank: int = 0, **kwargs):
-        self.tally.remove(document, document.metadata.get("filter_reason") or self.default_reason)
+        document.metadata.setdefault("filter_reason", self.default_reason)  # MinHash's filter gives none
+        self.tally.remove(document, document.metadata["filter_reason"])
         if self.keep:
             super().write(document, rank, **kwargs)
 
