@@ -59,6 +59,7 @@ def test_eval_in_loop_times_both_modes_on_two_ranks():
     assert report["speedup"] == pytest.approx(report["replicated_s"] / report["sharded_s"])
 
 
+@pytest.mark.multiprocess
 def test_clean_quality_plants_copies_and_measures_them(tmp_path):
     from tests.test_clean import write_cleaning_corpus
 

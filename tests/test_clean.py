@@ -1,7 +1,8 @@
 """The cleaning stage (data_prep.clean, on datatrove): quality filters and near-duplicate removal across every input
 file, with no network; its report; a kill at any moment continued by the same command to the same output; one run
 per output; changed settings or inputs refused; bad input handled as preprocessing handles it; and its output read
-by data_prep.preprocess, whose data report links the cleaning report."""
+by data_prep.preprocess, whose data report links the cleaning report. The tests that run the command are marked
+`multiprocess` (it runs its tasks in parallel processes): they are in `make test`, not in `make test-fast`."""
 
 from __future__ import annotations
 
@@ -116,6 +117,7 @@ def cleaned(tmp_path_factory) -> dict:
             "stdout": result.stdout}  # fmt: skip
 
 
+@pytest.mark.multiprocess
 def test_noise_and_near_copies_in_other_files_are_removed_and_reported(cleaned):
     kept = {record["id"] for record in output_lines(cleaned["out"])}
     for copy_id, original in cleaned["pairs"].items():
@@ -156,6 +158,7 @@ def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 120) -> N
         time.sleep(0.02)
 
 
+@pytest.mark.multiprocess
 def test_a_kill_at_any_moment_is_continued_by_the_same_command_to_the_same_output(cleaned, tmp_path):
     """The whole process tree killed inside the filter stage (frozen first while a second run into the same output is
     refused), the run's main process alone inside the MinHash signatures (its task processes must die with it), one
@@ -201,6 +204,7 @@ def refusal(capsys, inputs: list[str], output: Path, *extra: str) -> str:
     return error
 
 
+@pytest.mark.multiprocess
 def test_changed_settings_or_inputs_are_refused_naming_them(cleaned, tmp_path, capsys):
     config = tmp_path / "no_dedup.yaml"  # with a list argument: saved as JSON, it must still compare equal
     config.write_text("filters: {gopher_quality: {stop_words: [the, be, to, of, and]}}\ndedup: {enabled: false}\n")
@@ -218,6 +222,7 @@ def test_changed_settings_or_inputs_are_refused_naming_them(cleaned, tmp_path, c
     assert f"--input {copied[0]} changed since" in refusal(capsys, copied, out, "--config", str(config))
 
 
+@pytest.mark.multiprocess
 def test_bad_input_is_one_line_before_work_or_skipped_and_counted(cleaned, tmp_path, capsys):
     truncated = tmp_path / "cut.jsonl.zst"
     data = Path(cleaned["files"][2]).read_bytes()
@@ -264,14 +269,14 @@ def test_a_wrong_config_key_is_named(tmp_path, text, named):
     assert named in str(error.value) and str(path) in str(error.value)
 
 
-def test_the_shipped_config_loads_and_a_wrong_one_is_one_line_from_the_command(tmp_path, cleaned, capsys):
+def test_the_shipped_config_loads_and_a_wrong_one_is_one_line_from_the_command(tmp_path, capsys):
     shipped = load_clean_config()
     assert [choice.name for choice in shipped.filters] == ["unknown_characters", "gopher_repetition", "gopher_quality",
                                                            "c4_quality", "fineweb_quality"]  # fmt: skip
     assert shipped.dedup.enabled and shipped.dedup.num_buckets * shipped.dedup.hashes_per_bucket == 120
     bad = tmp_path / "bad.yaml"
     bad.write_text("dedup: {n_grams: -1}")
-    error = refusal(capsys, cleaned["files"], tmp_path / "out", "--config", str(bad))
+    error = refusal(capsys, [str(tmp_path / "any.jsonl")], tmp_path / "out", "--config", str(bad))  # checked first
     assert error.strip() == f"error: {bad}: dedup.n_grams must be a positive whole number (got -1)"
     assert not (tmp_path / "out" / ".clean").exists(), "refused before any work"
 
@@ -292,6 +297,7 @@ def test_the_local_word_list_and_unknown_character_filters(tmp_path):
     assert unknown.filter(Document("x\x00\x01" * 5, "5")) == (False, "unknown_characters")
 
 
+@pytest.mark.multiprocess
 def test_preprocessing_takes_the_output_as_it_is_and_its_report_links_the_cleaning(cleaned, corpus, tmp_path):
     from data_prep.preprocess import preprocess
 

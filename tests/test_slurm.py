@@ -213,6 +213,7 @@ def test_preprocessing_as_a_job_array_merges_into_the_single_machine_corpus(slur
 
 
 @pytest.mark.slurm
+@pytest.mark.multiprocess
 def test_cleaning_as_dependent_job_arrays_gives_the_local_result(slurm, tmp_path):
     """data_prep.clean --executor slurm: every stage a job array waiting on the one before (datatrove's Slurm
     executor), run on both nodes; a second submission is refused while the first's jobs live; the output and the
