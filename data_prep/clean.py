@@ -75,7 +75,15 @@ def build_job(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from common.lock import DirectoryLock, LockedError
     from data_prep.cleaning.report import REPORT_JSON, REPORT_MD, summary_table
-    from data_prep.cleaning.runner import CleanError, SlurmOptions, live_slurm_jobs, prepare, run_local, submit_slurm
+    from data_prep.cleaning.runner import (
+        CleanError,
+        SlurmOptions,
+        live_slurm_jobs,
+        prepare,
+        run_local,
+        submit_slurm,
+        task_error,
+    )
     from data_prep.cleaning.stages import remove_intermediates
 
     job = build_job(args)
@@ -108,9 +116,8 @@ def run(args: argparse.Namespace) -> int:
         if args.executor == "slurm" and not args.wait:
             print(f"submitted; {report} appears when the last stage ends (logs: {job.work / 'stages'})")
             return 0
-        failed = sorted((job.work / "errors").glob("*.txt"))  # a task's own message for bad input, if it left one
-        raise CleanError(failed[0].read_text() if failed else f"the run ended without its report; see the logs "
-                         f"under {job.work / 'stages'}")  # fmt: skip
+        raise CleanError(task_error(job.work) or f"the run ended without its report; see the logs under "
+                         f"{job.work / 'stages'}")  # fmt: skip
     finished = json.loads(report.read_text())
     print("\n".join(summary_table(finished)))
     print(

@@ -290,10 +290,10 @@ def test_the_local_word_list_and_unknown_character_filters(tmp_path):
     words.write_text("badword\nvery bad phrase\n")
     badwords = LocalBadWordsFilter(str(words))
     assert not badwords.filter(Document("this has a Very bad phrase in it".lower(), "1"))[0]
-    assert badwords.filter(Document("this has a badwordish word", "2"))
+    assert badwords.filter(Document("this has a badwordish word", "2")) is True  # a refusal is a (truthy) tuple
     unknown = UnknownCharacterFilter(max_share=0.05)
-    assert unknown.filter(Document("clean text " * 10, "3"))
-    assert unknown.filter(Document("a\ufffd" + "b" * 40, "4"))  # 1 of 42 characters: under 5 %
+    assert unknown.filter(Document("clean text " * 10, "3")) is True
+    assert unknown.filter(Document("a\ufffd" + "b" * 40, "4")) is True  # 1 of 42 characters: under 5 %
     assert unknown.filter(Document("x\x00\x01" * 5, "5")) == (False, "unknown_characters")
 
 
@@ -307,3 +307,19 @@ def test_preprocessing_takes_the_output_as_it_is_and_its_report_links_the_cleani
     report = (tmp_path / "packed" / "data_report.md").read_text()
     assert "## Cleaning" in report and (cleaned["out"] / "clean_report.md").as_uri() in report
     assert "| near_duplicates |" in report
+
+
+def test_a_stage_does_not_start_while_a_task_of_the_stages_before_it_is_unfinished(tmp_path):
+    """What stops the stages after a failed task under Slurm, where datatrove chains the arrays of a stage of over
+    1001 tasks with afterany."""
+    from data_prep.cleaning.stages import AfterStages
+
+    completions = tmp_path / "stages" / "filter" / "completions"
+    completions.mkdir(parents=True)
+    (completions / "00000").touch()
+    check = AfterStages(str(tmp_path), [("filter", 2)])
+    with pytest.raises(RuntimeError, match=r"stage filter has unfinished tasks \[1\]"):
+        check.run(None)
+    (completions / "00001").touch()
+    documents = iter(["document"])
+    assert check.run(documents) is documents, "with every task before complete, the documents pass on untouched"

@@ -120,12 +120,12 @@ def _filters(path: Path, raw: Any) -> tuple[FilterChoice, ...]:
         arguments = {} if arguments in (None, True) else arguments
         if not isinstance(arguments, dict):
             raise CleanConfigError(f"{path}: filters.{name} must be a mapping of arguments, true or false")
-        allowed = set(inspect.signature(filter_class(name).__init__).parameters) - NOT_SETTABLE
+        defaults = inspect.signature(filter_class(name).__init__).parameters
+        allowed = set(defaults) - NOT_SETTABLE
         wrong = sorted(set(arguments) - allowed)
         if wrong:
             raise CleanConfigError(f"{path}: filters.{name}.{wrong[0]} is not a setting of this filter; valid: "
                                    f"{', '.join(sorted(allowed))}")  # fmt: skip
-        defaults = inspect.signature(filter_class(name).__init__).parameters
         for key, value in arguments.items():
             _check_type(path, f"filters.{name}.{key}", value, defaults[key].default)
         chosen.append(FilterChoice(name, {key: _tuples(value) for key, value in arguments.items()}))

@@ -134,16 +134,15 @@ def stderr_to(path: Path):
         os.close(target)
 
 
-def clear_errors(work: Path) -> Path:
+def clear_errors(work: Path) -> None:
     """The folder where a task leaves its message for bad input, emptied of an earlier run's."""
     for stale in (work / "errors").glob("*.txt"):
         stale.unlink()
-    return work / "errors"
 
 
 def run_local(job: CleanJob, workers: int, log=print) -> None:
     """Every stage in turn on this machine; a stage's completed tasks are skipped."""
-    errors = clear_errors(job.work)
+    clear_errors(job.work)
     log(f"log: {job.work / LOG}")
     # spaCy's import and tokenizer (~1.8 s) once here, inherited by every forked task process, not paid in each
     load_word_tokenizer(job.config.language).word_tokenize("warm up")
@@ -158,7 +157,7 @@ def run_local(job: CleanJob, workers: int, log=print) -> None:
                 raise CleanError(f"a task process of stage {stage.name} died (killed, or out of memory: see dmesg); "
                                  "run the same command again to continue") from None  # fmt: skip
             except Exception as error:  # a task failed: its own message when it left one
-                raise CleanError(_task_error(errors) or f"stage {stage.name} failed ({type(error).__name__}: "
+                raise CleanError(task_error(job.work) or f"stage {stage.name} failed ({type(error).__name__}: "
                                  f"{error}); see {job.work / LOG}") from None  # fmt: skip
             missing = executor.get_incomplete_ranks()
             if missing:
@@ -166,8 +165,9 @@ def run_local(job: CleanJob, workers: int, log=print) -> None:
             log(f"{stage.name}: {stage.tasks} task(s) done in {time.perf_counter() - started:.1f} s")
 
 
-def _task_error(errors: Path) -> str | None:
-    found = sorted(errors.glob("*.txt"))
+def task_error(work: Path) -> str | None:
+    """The message a task left for bad input (the first by rank), if any."""
+    found = sorted((work / "errors").glob("*.txt"))
     return found[0].read_text() if found else None
 
 
