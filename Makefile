@@ -1,7 +1,7 @@
 # The two commands of the README. Both create .venv and install the package into it first.
 #   make demo   tiny Llama on the real 2-process DeepSpeed ZeRO-3 path, on the CPU (~5 min)
-#   make test   lint + the whole test suite (2 cores: see docs/testing.md for the current time)
-#   make test-fast   lint + the tests that start no training launch (~3 min), before every commit
+#   make test   lint + the whole test suite on 2 pytest-xdist workers (~15 min on 2 cores: docs/testing.md)
+#   make test-fast   lint + the tests that start no training launch (~2 min), before every commit
 #   make gpu-check [DRY_RUN=1]   the recipe's CUDA path measured on one GPU (docs/gpu-results.md)
 
 PYTHON ?= python3
@@ -52,13 +52,19 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The 25 slowest tests are listed at the end of every run.
+# Two pytest-xdist workers, each given a whole test file at a time (--dist loadfile), so that a file's fixtures (the
+# Slurm cluster, a module's reference run) are built once; the session's shared runs are built once for both
+# (tests/conftest.py: built_once). A launch spends much of its time waiting (process start and teardown, a hang
+# timeout, Slurm's requeue delay), which the other worker fills: on 2 cores the suite takes ~15 minutes instead of
+# ~19 one test at a time. PYTEST_WORKERS=0 runs it in one process. The 25 slowest tests are listed at the end.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 test: lint
-	$(BIN)/python -m pytest --durations=25
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) --durations=25
 
-# Before every commit: everything but the real multi-process launches (marked `multiprocess`), ~3 minutes.
+# Before every commit: everything but the real multi-process launches (marked `multiprocess`), ~2 minutes.
 test-fast: lint
-	$(BIN)/python -m pytest -m "not multiprocess and not slow" --durations=10
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not multiprocess and not slow" --durations=10
 
 # The GPU check (benchmarks/gpu_check.py, docs/gpu-results.md): on a machine with one GPU, ~8 minutes. DRY_RUN=1
 # rehearses it on the CPU with a tiny model. GPU_CHECK_PYTHON=python3 uses an environment that already holds the

@@ -94,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
-        return 0
+        # The timings are written and the process group is gone: end here, without the interpreter's teardown, in
+        # which one rank once aborted ("terminate called without an active exception", exit -6) while the suite ran
+        # on two workers, failing a benchmark whose every result was already written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = make_tokenizer(Path(scratch))
         output = Path(scratch) / "timings.json"

@@ -3,7 +3,9 @@ real multi-process DeepSpeed runs on the CPU."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,22 +20,39 @@ CPU_ACCELERATE_CONFIG = REPO / "accelerate_configs" / "zero3_cpu.yaml"
 TINY_RECIPE = REPO / "recipes" / "configs" / "tiny_cpu.yaml"
 
 
+def built_once(tmp_path_factory, name: str, build) -> dict:
+    """What `build(directory)` returns (JSON), built once per test session however many pytest-xdist workers ask:
+    the first builds under a lock while the others wait, then all read the record it left. A build that failed
+    half-way leaves no record, so the next one starts again from an empty directory."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has its own basetemp under the session's
+        root = root.parent
+    directory, record = root / name, root / f"{name}.json"
+    with FileLock(f"{directory}.lock"):
+        if not record.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            record.write_text(json.dumps(build(directory)))
+        return json.loads(record.read_text())
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict[str, Path]:
     """Python standard-library sources as jsonl (1.5 MB train, 0.2 MB validation) and a 1024-token BPE."""
-    from data_prep import demo_corpus
-    from data_prep.train_tokenizer import main as train_tokenizer
 
-    root = tmp_path_factory.mktemp("corpus")
-    demo_corpus.build(root / "data", train_bytes=1_500_000, validation_bytes=200_000)
-    train_tokenizer(
-        ["--input", str(root / "data" / "train.jsonl"), "--vocab-size", "1024", "--output", str(root / "tokenizer")]
-    )
-    return {
-        "train": root / "data" / "train.jsonl",
-        "validation": root / "data" / "validation.jsonl",
-        "tokenizer": root / "tokenizer",
-    }
+    def build(root: Path) -> dict[str, str]:
+        from data_prep import demo_corpus
+        from data_prep.train_tokenizer import main as train_tokenizer
+
+        demo_corpus.build(root / "data", train_bytes=1_500_000, validation_bytes=200_000)
+        train_tokenizer(["--input", str(root / "data" / "train.jsonl"), "--vocab-size", "1024", "--output",
+                         str(root / "tokenizer")])  # fmt: skip
+        return {"train": str(root / "data" / "train.jsonl"), "validation": str(root / "data" / "validation.jsonl"),
+                "tokenizer": str(root / "tokenizer")}  # fmt: skip
+
+    return {key: Path(path) for key, path in built_once(tmp_path_factory, "corpus", build).items()}
 
 
 def free_port() -> int:
@@ -117,16 +136,12 @@ def tiny_overrides(corpus: dict[str, Path], output_dir: Path, **extra) -> list[s
 
 def data_position(checkpoint: Path) -> dict:
     """The data position a checkpoint saved (its one home: trainer_state.json)."""
-    import json
-
     return json.loads((checkpoint / "trainer_state.json").read_text())["data_position"]
 
 
 def forge_data_position(checkpoint: Path, change) -> None:
     """Rewrite a checkpoint's data position with `change(position)`, and its manifest entry with it, so that the
     checkpoint stays self-consistent: what a negative control needs to show that the position matters."""
-    import json
-
     from common.files import sha256_of
 
     state_path = checkpoint / "trainer_state.json"
@@ -159,12 +174,19 @@ def trained_run(tmp_path_factory, corpus) -> dict:
     report, or its model for evaluation) share it instead of training their own."""
     from recipes.config import load_config
 
-    output_dir = tmp_path_factory.mktemp("trained_run")
     schedule = dict(max_steps=40, logging_steps=5, eval_steps=20, save_steps=10, save_total_limit=2, warmup_steps=5)
-    args = tiny_overrides(corpus, output_dir, **schedule, max_eval_samples=32, early_stopping_patience=5)
-    result = launch(REPO / "recipes/pretrain.py", args)
-    assert result.returncode == 0, result.stderr[-6000:]
-    return {"dir": output_dir, "log": result.stderr + result.stdout, "config": load_config(TINY_RECIPE, args[2:]),
+
+    def args(output_dir: Path) -> list[str]:
+        return tiny_overrides(corpus, output_dir, **schedule, max_eval_samples=32, early_stopping_patience=5)
+
+    def build(output_dir: Path) -> dict[str, str]:
+        result = launch(REPO / "recipes/pretrain.py", args(output_dir))
+        assert result.returncode == 0, result.stderr[-6000:]
+        return {"dir": str(output_dir), "log": result.stderr + result.stdout}
+
+    built = built_once(tmp_path_factory, "trained_run", build)
+    output_dir = Path(built["dir"])
+    return {"dir": output_dir, "log": built["log"], "config": load_config(TINY_RECIPE, args(output_dir)[2:]),
             "corpus": corpus, "steps": 40}  # fmt: skip
 
 
@@ -177,8 +199,24 @@ REFERENCE_RUN = dict(max_steps=16, save_steps=4, save_total_limit=2, logging_ste
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory, corpus) -> Path:
     """The output directory of one uninterrupted REFERENCE_RUN, shared by the whole session (copy it to change it)."""
-    output_dir = tmp_path_factory.mktemp("reference_run")
-    result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, output_dir, **REFERENCE_RUN))
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert sorted(train_losses(output_dir)) == list(range(1, REFERENCE_RUN["max_steps"] + 1))
-    return output_dir
+
+    def build(output_dir: Path) -> str:
+        result = launch(REPO / "recipes/pretrain.py", tiny_overrides(corpus, output_dir, **REFERENCE_RUN))
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert sorted(train_losses(output_dir)) == list(range(1, REFERENCE_RUN["max_steps"] + 1))
+        return str(output_dir)
+
+    return Path(built_once(tmp_path_factory, "reference_run", build))
+
+
+# The files that take longest (each ~3 minutes of a worker's time on 2 cores) go first, so that with pytest-xdist's
+# two workers (`make test`) none of them is left to run alone at the end while the other worker has nothing to do.
+LONGEST_FILES_FIRST = ("test_run_safety.py", "test_slurm.py", "test_resume.py", "test_preprocessed_training.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside each file, and of the other files, is kept
