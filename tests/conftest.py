@@ -20,7 +20,7 @@ CPU_ACCELERATE_CONFIG = REPO / "accelerate_configs" / "zero3_cpu.yaml"
 TINY_RECIPE = REPO / "recipes" / "configs" / "tiny_cpu.yaml"
 
 
-def built_once(tmp_path_factory, name: str, build) -> dict:
+def built_once(tmp_path_factory, name: str, build):
     """What `build(directory)` returns (JSON), built once per test session however many pytest-xdist workers ask:
     the first builds under a lock while the others wait, then all read the record it left. A build that failed
     half-way leaves no record, so the next one starts again from an empty directory."""
