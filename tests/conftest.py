@@ -26,6 +26,8 @@ def built_once(tmp_path_factory, name: str, build):
     half-way leaves no record, so the next one starts again from an empty directory."""
     from filelock import FileLock
 
+    from common.files import atomic_write_text
+
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has its own basetemp under the session's
         root = root.parent
@@ -34,7 +36,7 @@ def built_once(tmp_path_factory, name: str, build):
         if not record.exists():
             shutil.rmtree(directory, ignore_errors=True)
             directory.mkdir()
-            record.write_text(json.dumps(build(directory)))
+            atomic_write_text(record, json.dumps(build(directory)))  # whole or absent, whoever is killed when
         return json.loads(record.read_text())
 
 

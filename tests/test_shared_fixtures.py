@@ -15,6 +15,7 @@ WORKER = """
 import json, sys, time
 from pathlib import Path
 sys.path.insert(0, {repo!r})
+import common.files, filelock  # imported by built_once: loaded now, so that asking takes no time after "started"
 from tests.conftest import built_once
 
 class Factory:
@@ -24,10 +25,14 @@ class Factory:
 def build(directory):
     with open({count!r}, "a") as count:
         count.write("built\\n")
-    time.sleep(1.0)  # long enough for the other worker to ask while this one builds
+    deadline = time.time() + 30  # the build lasts until both workers have asked: without the lock, both build
+    while len(list(Path({started!r}).glob("*"))) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the other worker has asked by now (or waits on the lock)
     (directory / "made").write_text("yes")
     return {{"dir": str(directory)}}
 
+(Path({started!r}) / {name!r}).touch()
 print(json.dumps(built_once(Factory(), "shared", build)))
 """
 
@@ -41,12 +46,14 @@ class Factory:
 
 
 def test_two_workers_asking_at_once_get_one_build(tmp_path):
-    count = tmp_path / "builds.txt"
+    count, started = tmp_path / "builds.txt", tmp_path / "started"
+    started.mkdir()
     workers = []
     for name in ("gw0", "gw1"):
         basetemp = tmp_path / f"popen-{name}"
         basetemp.mkdir()
-        script = WORKER.format(repo=str(REPO), basetemp=str(basetemp), count=str(count))
+        script = WORKER.format(repo=str(REPO), basetemp=str(basetemp), count=str(count), started=str(started),
+                               name=name)  # fmt: skip
         env = {"PYTEST_XDIST_WORKER": name, "PATH": "/usr/bin:/bin"}
         workers.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True))
     results = [json.loads(worker.communicate(timeout=60)[0]) for worker in workers]
