@@ -6,16 +6,24 @@
 Everything runs through the recipe (`accelerate launch` with `accelerate_configs/zero3_1gpu.yaml`: one process,
 ZeRO-3, bf16) on `recipes/configs/llama1b_gpu_check.yaml`, a 1.1B Llama at sequence length 2048:
 1. fixtures: a corpus, a tokenizer, packed rows and benchmark data, all made here (nothing downloaded);
-2. training (`benchmarks.step_overhead` on the real engine and Trainer): seconds per step, tokens/s and MFU of the
-   recipe's loop, of the same with document masking, and of a bare loop on the same engine (5 warm-up steps, then
-   20 timed steps each), and peak GPU
-   memory (allocated and reserved) for micro-batch 1 and 2 with gradient checkpointing on and off, each beside the
-   planner's prediction for the same configuration, split into persistent states and what one step adds;
-3. attention: the first 5 steps' losses with flash_attention_2 and sdpa (when flash-attn is installed), and
-   `recipes.attention_check` (packed documents against each document alone) on each path;
-4. the recipe end to end (`recipes/pretrain.py`: preflight, data, training with document masking, validation,
+2. model_only: the same model and micro-batch in plain torch, the ceiling the engine's overheads are measured from;
+3. training (`benchmarks.step_overhead` on the real engine and Trainer): micro-batch 1, 2, 4 and 8 (each series to its
+   first out-of-memory) with decoder layers as ZeRO-3 leaves and with every module hooked, gradient checkpointing on:
+   seconds per step, tokens/s and MFU of the recipe's loop and of a bare loop on the same engine (3 warm-up steps,
+   then 10 timed steps each), and peak GPU memory (allocated and reserved) beside the planner's prediction for the
+   same configuration, split into persistent states and what one step adds; a profile of one step at micro-batch 2;
+4. deepcompile: DeepSpeed's DeepCompile (`"compile": {"deepcompile": true}`, inductor through accelerate) on the
+   recipe at micro-batch 2; CUDA only, and a failure is recorded with its reason;
+5. attention: document masking on each path without a flash-attn wheel (sdpa's block mask, flex_attention's
+   BlockMask, torch's own varlen kernel) and with one (flash_attention_2): `recipes.attention_check` (packed documents
+   against each document alone) and seconds per step of the recipe's loop with masking on; the first 5 steps' losses
+   with flash_attention_2 and sdpa when flash-attn is installed;
+6. the recipe end to end (`recipes/pretrain.py`: preflight, data, training with document masking, validation,
    MMLU and GSM8K through lm-eval in the loop, a checkpoint, the export): seconds per MMLU document and per GSM8K
    document beside the planner's.
+A lent GPU's call lasts at most 8 minutes, so the stages can be split over calls (`--stages model_only,training`,
+then `--stages deepcompile,attention,end_to_end`; fixtures are made again in each), and `--budget-s` ends a stage
+that runs out of time with what it measured so far.
 Writes `gpu_check.json` and `gpu_check.md` under `--output` after every stage (a stage cut short by the budget
 leaves the earlier ones), and prints the markdown row for docs/gpu-results.md. Targets are checked on a GPU only.
 
@@ -34,71 +42,25 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_check_report import docs_row, judge, memory_against_plan, render_markdown
+from benchmarks.gpu_check_kernels import attention_stage, deepcompile_stage
+from benchmarks.gpu_check_report import docs_row, judge, memory_against_plan
+from benchmarks.gpu_check_setup import (
+    ACCELERATE_CONFIG,
+    RECIPE,
+    REPO,
+    Configuration,
+    Report,
+    Scale,
+    load_recipe,
+    planned,
+    recipe_overrides,
+)
 from common.process import with_repo_on_path
 
-REPO = Path(__file__).resolve().parent.parent
-RECIPE = REPO / "recipes/configs/llama1b_gpu_check.yaml"
-ACCELERATE_CONFIG = REPO / "accelerate_configs/zero3_1gpu.yaml"
-DEEPSPEED_JSON = REPO / "accelerate_configs/deepspeed/zero3_no_offload.json"
-STAGES = ("model_only", "training", "attention", "end_to_end")
-# A tiny shape, short rows and few steps for the CPU dry run (the tiny_cpu recipe's model).
-DRY_RUN_OVERRIDES = [
-    "--model_config.vocab_size", "1024", "--model_config.hidden_size", "64", "--model_config.intermediate_size",
-    "172", "--model_config.num_hidden_layers", "4", "--model_config.num_attention_heads", "4",
-    "--model_config.num_key_value_heads", "2", "--model_config.max_position_embeddings", "1024",
-    "--max_seq_length", "128", "--bf16", "false", "--dataloader_pin_memory", "false",
-    "--attn_implementation", "sdpa", "--max_steps", "2", "--eval_steps", "2", "--eval_limit", "2",
-    "--eval_max_gen_toks", "8", "--per_device_eval_batch_size", "2", "--dataloader_num_workers", "1",
-]  # fmt: skip
-
-
-@dataclass
-class Scale:
-    """How big each stage is: the GPU run, or the CPU dry run."""
-
-    dry_run: bool
-    warmup_steps: int
-    timed_steps: int
-    memory_steps: int
-    corpus_mb: float
-    tokenizer_vocab: int
-    eval_documents: int  # per MMLU subject, and GSM8K
-    configurations: tuple[tuple[int, bool], ...] = ((2, True), (2, False), (1, True), (1, False))  # micro, ckpt
-
-    @classmethod
-    def of(cls, dry_run: bool) -> Scale:
-        if dry_run:  # one timed and one memory-only configuration: every measurement path, half the launches
-            return cls(True, warmup_steps=1, timed_steps=1, memory_steps=1, corpus_mb=0.6, tokenizer_vocab=1024,
-                       eval_documents=2, configurations=((2, True), (1, False)))  # fmt: skip
-        return cls(False, warmup_steps=5, timed_steps=20, memory_steps=3, corpus_mb=8.0, tokenizer_vocab=8192,
-                   eval_documents=16)  # fmt: skip
-
-
-class Report:
-    """The check's results, rewritten to disk after every stage."""
-
-    def __init__(self, output: Path, dry_run: bool):
-        self.output, self.started = output, time.monotonic()
-        self.results: dict[str, Any] = {"dry_run": dry_run, "stages": {}, "skipped": [], "targets": []}
-
-    def stage(self, name: str, values: Any) -> None:
-        self.results["stages"][name] = values
-        self.write()
-
-    def skip(self, stage: str, reason: str) -> None:
-        self.results["skipped"].append({"stage": stage, "reason": reason})
-        self.write()
-
-    def write(self) -> None:
-        self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
-        self.output.mkdir(parents=True, exist_ok=True)
-        (self.output / "gpu_check.json").write_text(json.dumps(self.results, indent=2, default=str))
-        (self.output / "gpu_check.md").write_text(render_markdown(self.results))
+STAGES = ("model_only", "training", "deepcompile", "attention", "end_to_end")
 
 
 def environment() -> dict[str, Any]:
@@ -151,66 +113,47 @@ def make_fixtures(work: Path, scale: Scale, seq_len: int) -> dict[str, Any]:
     return {"seconds": round(time.perf_counter() - started, 1), "packed_rows": manifest.get("num_rows")}
 
 
-def recipe_overrides(work: Path, scale: Scale) -> list[str]:
-    """The recipe's fixture paths under `work`, and the dry run's tiny shape."""
-    paths = [
-        "--tokenizer_name_or_path", str(work / "tokenizer"), "--train_files", f"[{work / 'packed'}]",
-        "--validation_files", f"[{work / 'data/validation.jsonl'}]", "--output_dir", str(work / "run"),
-        "--mmlu_dir", str(work / "eval_data/mmlu_release"), "--gsm8k_dir", str(work / "eval_data/gsm8k_hub"),
-    ]  # fmt: skip
-    return paths + (DRY_RUN_OVERRIDES if scale.dry_run else [])
-
-
-def load_recipe(overrides: list[str]):
-    from recipes.config import load_config
-
-    return load_config(RECIPE, overrides)
-
-
-def planned(overrides: list[str]):
-    """The planner's plan of the recipe with `overrides` on this machine's one GPU (or, in the dry run, the
-    recipe's hardware block)."""
-    import torch
-
-    from recipes.config.deepspeed import load_deepspeed_json
-    from recipes.planning.hardware import hardware_from
-    from recipes.planning.plan import make_plan
-
-    config = load_recipe(overrides)
-    memory = torch.cuda.get_device_properties(0).total_memory / 1e9 if torch.cuda.is_available() else None
-    hardware = hardware_from(config, gpus=1, nodes=1, gpu_memory_gb=memory)
-    return make_plan(config, hardware, load_deepspeed_json(DEEPSPEED_JSON))
-
-
 def training_stage(report: Report, work: Path, scale: Scale, deadline: float) -> None:
+    """Every configuration of the sweep through `benchmarks.step_overhead`: the bare loop and the recipe's on one
+    engine, timed, and peak memory beside the plan; a series of micro-batches stops at its first out-of-memory."""
     from benchmarks import step_overhead
 
     base = recipe_overrides(work, scale)
-    runs = []
-    for micro, checkpointing in scale.configurations:
-        timed = micro == 2  # the recipe's micro-batch: MFU, recipe against bare; the others for memory
+    runs: list[dict[str, Any]] = []
+    out_of_memory: dict[tuple[bool, bool], int] = {}  # (checkpointing, leaves): the micro-batch that did not fit
+    for configuration in scale.configurations:
+        series = (configuration.checkpointing, configuration.leaves)
+        if series in out_of_memory and configuration.micro_batch > out_of_memory[series]:
+            continue
         remaining = deadline - time.monotonic()
         if remaining < 30:
-            report.skip(f"training mb{micro} ckpt {'on' if checkpointing else 'off'}", "time budget spent")
+            report.skip(f"training {configuration.label}", "time budget spent")
             continue
-        # `recipe` without document masking is the bare loop's like; `recipe_masked` adds the masking's cost
-        overrides = [*base, "--per_device_train_batch_size", str(micro), "--global_batch_size", "null",
-                     "--gradient_checkpointing", str(checkpointing).lower(), "--document_masking", "false"]  # fmt: skip
+        # without document masking, as the bare loop; the attention stage measures the masked paths
+        overrides = [*base, *configuration.overrides, "--document_masking", "false"]
+        profile = work / f"profile_mb{configuration.micro_batch}_{'leaves' if configuration.leaves else 'modules'}.txt"
         args = ["--config", str(RECIPE), "--accelerate-config", str(ACCELERATE_CONFIG), "--timeout-s", str(remaining),
-                "--warmup-steps", str(scale.warmup_steps),
-                "--steps", str(scale.timed_steps if timed else scale.memory_steps),
-                "--repeats", "1", "--loops", "bare,recipe,recipe_masked" if timed else "bare",
-                *(["--profile-output", str(work / f"profile_mb{micro}_ckpt_{'on' if checkpointing else 'off'}.txt")]
-                  if timed else []), *overrides]  # fmt: skip
+                "--warmup-steps", str(scale.warmup_steps), "--steps", str(scale.timed_steps), "--repeats", "1",
+                "--loops", "bare,recipe", *overrides]  # fmt: skip
+        if configuration.micro_batch == 2:
+            args += ["--profile-output", str(profile)]
         try:
             summary = step_overhead.run(args)
         except RuntimeError as error:
-            report.skip(f"training mb{micro} ckpt {checkpointing}", f"launch failed: {str(error)[-1500:]}")
+            if "out of memory" in str(error).lower():
+                out_of_memory[series] = configuration.micro_batch
+                runs.append({"micro_batch": configuration.micro_batch, "leaves": configuration.leaves,
+                             "gradient_checkpointing": configuration.checkpointing, "out_of_memory": True})  # fmt: skip
+                report.stage("training", runs)
+                continue
+            report.skip(f"training {configuration.label}", f"launch failed: {str(error)[-1500:]}")
             continue
         plan = planned(overrides)
+        summary["leaves"] = configuration.leaves
         summary["plan_memory"] = memory_against_plan(summary, plan.per_gpu_memory_gb)
         summary["plan_mfu"] = plan.predicted_mfu
         summary["plan_tokens_per_s"] = plan.expected_tokens_per_s
+        summary["plan_hooked_modules"] = plan.hooked_modules
         runs.append(summary)
         report.stage("training", runs)
 
@@ -278,48 +221,6 @@ def model_only_stage(report: Report, work: Path, scale: Scale, deadline: float) 
     report.stage("model_only", json.loads(output.read_text()))
 
 
-def attention_stage(report: Report, work: Path, scale: Scale, deadline: float) -> None:
-    from benchmarks import step_overhead
-
-    checks = []
-    base = recipe_overrides(work, scale)
-    implementations = ["sdpa", "flash_attention_2"]
-    for implementation in implementations:
-        command = [sys.executable, "-m", "recipes.attention_check", "--config", str(RECIPE), *base,
-                   "--attn_implementation", implementation]  # fmt: skip
-        remaining = deadline - time.monotonic()
-        if remaining < 20:
-            report.skip(f"attention_check {implementation}", "time budget spent")
-            continue
-        completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=remaining,
-                                   env=with_repo_on_path(os.environ))  # fmt: skip
-        lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
-        if not lines:
-            report.skip(f"attention_check {implementation}", completed.stderr[-1500:])
-            continue
-        checks.append(json.loads(lines[-1]))
-    losses: dict[str, Any] = {}
-    from recipes.training.model import detect_attn_implementation
-
-    available, reason = detect_attn_implementation("flash_attention_2")
-    if available != "flash_attention_2":
-        losses["skipped"] = reason
-    else:
-        for implementation in ("sdpa", "flash_attention_2"):
-            remaining = deadline - time.monotonic()
-            args = ["--config", str(RECIPE), "--accelerate-config", str(ACCELERATE_CONFIG), "--timeout-s",
-                    str(remaining), "--warmup-steps", "5", "--steps", "1", "--repeats", "1", "--loops", "bare", *base,
-                    "--attn_implementation", implementation]  # fmt: skip
-            try:
-                losses[implementation] = step_overhead.run(args)["warmup_losses"]
-            except RuntimeError as error:
-                losses[implementation] = f"launch failed: {str(error)[-1500:]}"
-        if all(isinstance(v, list) for v in losses.values()):
-            pairs = zip(losses["sdpa"], losses["flash_attention_2"], strict=True)
-            losses["max_abs_diff"] = max(abs(a - b) for a, b in pairs)
-    report.stage("attention", {"checks": checks, "first_losses": losses})
-
-
 def end_to_end_stage(report: Report, work: Path, scale: Scale, deadline: float) -> None:
     """recipes/pretrain.py as a user runs it; its metrics give the in-loop benchmark timings."""
     from common.process import kill_tree
@@ -372,8 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the whole check")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model: exercise every path, no targets")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
-    parser.add_argument("--timed-steps", type=int, help="timed steps per loop (default 20; 1 in the dry run)")
-    parser.add_argument("--configurations", help="micro-batch:checkpointing pairs, default 2:on,2:off,1:on,1:off")
+    parser.add_argument("--timed-steps", type=int, help="timed steps per loop (default 10; 1 in the dry run)")
+    parser.add_argument(
+        "--configurations",
+        help="micro-batch:checkpointing[:leaves|modules], comma-separated; "
+        "default micro-batch 1, 2, 4, 8 with checkpointing, leaf layers then per-module hooks",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -395,15 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.timed_steps:
         scale.timed_steps = args.timed_steps
     if args.configurations:
-        scale.configurations = tuple(
-            (int(m), c == "on") for m, c in (x.split(":") for x in args.configurations.split(","))
-        )
+        try:
+            scale.configurations = tuple(Configuration.parse(text) for text in args.configurations.split(","))
+        except ValueError as error:
+            parser.error(f"--configurations {error}")
     report = Report(work, args.dry_run)
     report.stage("environment", environment())
     seq_len = load_recipe(recipe_overrides(work, scale)).max_seq_length
     report.stage("fixtures", make_fixtures(work, scale, seq_len))
     for name, stage in (("model_only", model_only_stage), ("training", training_stage),
-                        ("attention", attention_stage), ("end_to_end", end_to_end_stage)):  # fmt: skip
+                        ("deepcompile", deepcompile_stage), ("attention", attention_stage),
+                        ("end_to_end", end_to_end_stage)):  # fmt: skip
         if name not in args.stages.split(","):
             continue
         if deadline - time.monotonic() < 30:

@@ -42,26 +42,29 @@ def memory_against_plan(measured: dict[str, Any], plan_memory: dict[str, float])
     return rows
 
 
+def run_label(run: dict[str, Any]) -> str:
+    """`mb2, checkpointing on, leaf layers` for a training run."""
+    granularity = "" if "leaves" not in run else (", leaf layers" if run["leaves"] else ", per-module hooks")
+    return f"mb{run['micro_batch']}, checkpointing {'on' if run['gradient_checkpointing'] else 'off'}{granularity}"
+
+
 def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target beside its measured value (GPU runs only)."""
     targets = []
-    runs = results["stages"].get("training", [])
+    runs = [run for run in results["stages"].get("training", []) if not run.get("out_of_memory")]
     timed = [r for r in runs if "recipe_mfu" in r and r.get("bare_s_per_step")]
     if timed:
         best = max(timed, key=lambda r: r["recipe_mfu"] or 0.0)
-        label = f"mb{best['micro_batch']}, checkpointing {'on' if best['gradient_checkpointing'] else 'off'}"
-        targets.append({"target": f"MFU >= {TARGETS['mfu']:.0%} ({label})", "value": best["recipe_mfu"],
+        targets.append({"target": f"MFU >= {TARGETS['mfu']:.0%} ({run_label(best)})", "value": best["recipe_mfu"],
                         "met": (best["recipe_mfu"] or 0.0) >= TARGETS["mfu"]})  # fmt: skip
         for run in timed:
             ratio = run["bare_s_per_step"] / run["recipe_s_per_step"]
-            label = f"mb{run['micro_batch']}, checkpointing {'on' if run['gradient_checkpointing'] else 'off'}"
-            targets.append({"target": f"recipe >= {TARGETS['recipe_over_bare_throughput']}x bare ({label})",
+            targets.append({"target": f"recipe >= {TARGETS['recipe_over_bare_throughput']}x bare ({run_label(run)})",
                             "value": ratio, "met": ratio >= TARGETS["recipe_over_bare_throughput"]})  # fmt: skip
     for run in runs:
         memory = run.get("plan_memory", {})
         if "reserved_over_plan" in memory:
-            label = f"mb{run['micro_batch']}, checkpointing {'on' if run['gradient_checkpointing'] else 'off'}"
-            targets.append({"target": f"peak reserved within {TARGETS['memory_within']:.0%} of plan ({label})",
+            targets.append({"target": f"peak reserved within {TARGETS['memory_within']:.0%} of plan ({run_label(run)})",
                             "value": memory["reserved_over_plan"], "met": memory["within_target"],
                             "term_off": memory.get("term_off")})  # fmt: skip
     for check in results["stages"].get("attention", {}).get("checks", []):
@@ -82,25 +85,16 @@ def render_markdown(results: dict[str, Any]) -> str:
     if env:
         lines += ["| " + " | ".join(env) + " |", "|" + "---|" * len(env), "| " + " | ".join(map(cell, env.values())) +
                   " |", ""]  # fmt: skip
-    runs = results["stages"].get("training", [])
-    if runs:
-        lines += ["## Training", "", "| micro-batch | checkpointing | attention | bare s/step | recipe s/step | "
-                  "recipe tokens/s | recipe MFU | masked MFU | plan MFU | steady GB | peak alloc GB | "
-                  "peak reserved GB | "
-                  "plan GB (allocator) | reserved / plan | term off |",
-                  "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-        for run in runs:
-            memory = run.get("plan_memory", {})
-            lines.append(
-                f"| {run['micro_batch']} | {'on' if run['gradient_checkpointing'] else 'off'} | "
-                f"{run['attn_implementation']} | {cell(run.get('bare_s_per_step'))} | "
-                f"{cell(run.get('recipe_s_per_step'))} | {cell(run.get('recipe_tokens_per_s'), 0)} | "
-                f"{cell(run.get('recipe_mfu'))} | {cell(run.get('recipe_masked_mfu'))} | {cell(run.get('plan_mfu'))} | "
-                f"{cell(run.get('steady_allocated_gb'), 2)} | "
-                f"{cell(run.get('peak_allocated_gb'), 2)} | {cell(run.get('peak_reserved_gb'), 2)} | "
-                f"{cell(memory.get('plan_allocator_gb'), 2)} | {cell(memory.get('reserved_over_plan'), 2)} | "
-                f"{memory.get('term_off') or ''} |"
-            )
+    lines += _training_lines(results["stages"].get("training", []), cell)
+    deepcompile = results["stages"].get("deepcompile")
+    if deepcompile:
+        lines += ["## DeepCompile", ""]
+        if deepcompile.get("ran"):
+            lines.append(f"micro-batch 2, leaf layers: bare {cell(deepcompile.get('bare_s_per_step'))} s/step, recipe "
+                         f"{cell(deepcompile.get('recipe_s_per_step'))} s/step, recipe MFU "
+                         f"{cell(deepcompile.get('recipe_mfu'))}")  # fmt: skip
+        else:
+            lines.append(f"not run: {deepcompile.get('reason')}")
         lines.append("")
     attention = results["stages"].get("attention")
     if attention:
@@ -110,6 +104,13 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {check['attn_implementation']} | {check['kernel']} | {check['micro_batch']} | "
                          f"{check['path']} | {check['expected_path']} | {check['max_abs_diff']:.2e} | "
                          f"{check['ok']} |")  # fmt: skip
+        lines += ["", "| implementation, masking on, mb2 | s/step | tokens/s | MFU |", "|---|---:|---:|---:|"]
+        for timing in attention.get("timings", []):
+            if timing["ran"]:
+                lines.append(f"| {timing['attn_implementation']} | {cell(timing['s_per_step'])} | "
+                             f"{cell(timing['tokens_per_s'], 0)} | {cell(timing['mfu'])} |")  # fmt: skip
+            else:
+                lines.append(f"| {timing['attn_implementation']} | not run: {timing['reason']} | | |")
         first = attention["first_losses"]
         lines += ["", f"first losses, flash_attention_2 against sdpa: {json.dumps(first)}", ""]
     e2e = results["stages"].get("end_to_end")
@@ -130,15 +131,41 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _training_lines(runs: list[dict[str, Any]], cell) -> list[str]:
+    if not runs:
+        return []
+    lines = ["## Training", "", "| micro-batch | checkpointing | ZeRO-3 hooks | attention | bare s/step | "
+             "recipe s/step | recipe tokens/s | recipe MFU | plan MFU | steady GB | peak alloc GB | peak reserved GB | "
+             "plan GB (allocator) | reserved / plan | term off |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for run in runs:
+        hooks = "" if "leaves" not in run else ("leaf layers" if run["leaves"] else "per module")
+        if run.get("out_of_memory"):
+            lines.append(f"| {run['micro_batch']} | {'on' if run['gradient_checkpointing'] else 'off'} | {hooks} | "
+                         "out of memory | | | | | | | | | | | |")  # fmt: skip
+            continue
+        memory = run.get("plan_memory", {})
+        lines.append(
+            f"| {run['micro_batch']} | {'on' if run['gradient_checkpointing'] else 'off'} | {hooks} | "
+            f"{run['attn_implementation']} | {cell(run.get('bare_s_per_step'))} | "
+            f"{cell(run.get('recipe_s_per_step'))} | {cell(run.get('recipe_tokens_per_s'), 0)} | "
+            f"{cell(run.get('recipe_mfu'))} | {cell(run.get('plan_mfu'))} | "
+            f"{cell(run.get('steady_allocated_gb'), 2)} | "
+            f"{cell(run.get('peak_allocated_gb'), 2)} | {cell(run.get('peak_reserved_gb'), 2)} | "
+            f"{cell(memory.get('plan_allocator_gb'), 2)} | {cell(memory.get('reserved_over_plan'), 2)} | "
+            f"{memory.get('term_off') or ''} |"
+        )
+    return [*lines, ""]
+
+
 def docs_row(results: dict[str, Any]) -> str:
     """One row for docs/gpu-results.md."""
     env = results["stages"].get("environment", {})
-    runs = results["stages"].get("training", [])
+    runs = [run for run in results["stages"].get("training", []) if not run.get("out_of_memory")]
     timed = [r for r in runs if r.get("recipe_mfu") is not None]
-    mfu = ", ".join(f"mb{r['micro_batch']}/ckpt {'on' if r['gradient_checkpointing'] else 'off'}: "
-                    f"{r['recipe_mfu']:.1%} (bare {r['bare_mfu']:.1%})" for r in timed)  # fmt: skip
-    memory = ", ".join(f"mb{r['micro_batch']}/{'on' if r['gradient_checkpointing'] else 'off'}: "
-                       f"{r['peak_reserved_gb']:.1f} GB ({r['plan_memory'].get('reserved_over_plan', 0):.2f}x plan)"
+    mfu = ", ".join(f"{run_label(r)}: {r['recipe_mfu']:.1%} (bare {r['bare_mfu']:.1%})" for r in timed)
+    memory = ", ".join(f"{run_label(r)}: {r['peak_reserved_gb']:.1f} GB "
+                       f"({r['plan_memory'].get('reserved_over_plan', 0):.2f}x plan)"
                        for r in runs if r.get("peak_reserved_gb") is not None)  # fmt: skip
     met = sum(t["met"] for t in results["targets"])
     cells = [env.get("date"), env.get("gpu"), env.get("driver"), env.get("cuda"), env.get("torch"),

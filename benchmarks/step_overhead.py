@@ -14,7 +14,8 @@ whose documents are separated by EOS every few hundred tokens:
   recipe's `document_masking`;
 - `recipe_masked`: the same with document masking on (the inputs `recipes.training.attention` gives the model).
 Passes alternate so that drift of the machine affects every loop alike. Prints a table, then one JSON line with
-seconds per step, tokens/s and MFU per loop, peak device memory (CUDA only) and the warm-up steps' losses.
+seconds per step (wall, and the main process's CPU time), tokens/s and MFU per loop, peak device memory (CUDA only)
+and the warm-up steps' losses.
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ def time_loops(bench: Bench, args) -> dict[str, Any]:
             "recipe_masked": lambda: bench.recipe(True)}  # fmt: skip
     loops = args.loops.split(",")
     timings: dict[str, list[float]] = {name: [] for name in loops}
+    cpu_timings: dict[str, list[float]] = {name: [] for name in loops}  # this process's CPU time: the host's work
     warmup_losses = bench.bare(args.warmup_steps, record=True)  # allocations, DeepSpeed's first-step setup
     steady_gb = None
     if torch.cuda.is_available():  # what stays between steps: parameters, optimizer states, gradient partitions
@@ -214,13 +216,15 @@ def time_loops(bench: Bench, args) -> dict[str, Any]:
             bench.accelerator.wait_for_everyone()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             runs[name]()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            cpu_timings[name].append((time.process_time() - cpu_started) / args.steps)
             bench.accelerator.wait_for_everyone()
             timings[name].append((time.perf_counter() - started) / args.steps)
-    return {"timings": timings, "warmup_losses": warmup_losses, "steady_allocated_gb": steady_gb}
+    return {"timings": timings, "cpu_timings": cpu_timings, "warmup_losses": warmup_losses,
+            "steady_allocated_gb": steady_gb}  # fmt: skip
 
 
 def worker(args, overrides: list[str]) -> None:
@@ -247,6 +251,7 @@ def worker(args, overrides: list[str]) -> None:
         "gradient_checkpointing": config.gradient_checkpointing,
         "bf16": config.bf16,
         "document_masking": config.document_masking,
+        "zero3_leaf_modules": config.zero3_leaf_modules,
         "model_states_allocated_gb": bench.states_gb,
         **device_memory_gb(),
     }  # fmt: skip
@@ -257,8 +262,10 @@ def worker(args, overrides: list[str]) -> None:
 
 def summarize(raw: dict) -> dict:
     """Median seconds per step, tokens/s and MFU per loop, and the ratios against `bare` / `recipe`."""
-    summary = {key: value for key, value in raw.items() if key != "timings"}
+    summary = {key: value for key, value in raw.items() if key not in ("timings", "cpu_timings")}
     peak = raw["peak_tflops_per_device"]
+    for name, values in raw.get("cpu_timings", {}).items():
+        summary[f"{name}_cpu_s_per_step"] = statistics.median(values)
     for name, values in raw["timings"].items():
         seconds = statistics.median(values)
         tokens_per_s = raw["tokens_per_step"] / seconds

@@ -4,19 +4,63 @@ count and FLOPs per token. Pure (no torch), so the planner answers at once; the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+
+def _per_layer(shape: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
+    """(how many, parameters each) of one decoder layer's modules with weights, by the Llama class that holds them."""
+    hidden = shape["hidden_size"]
+    heads = shape["num_attention_heads"]
+    kv_dim = (shape.get("num_key_value_heads") or heads) * (hidden // heads)
+    return {
+        "LlamaAttention": [(2, hidden * hidden), (2, hidden * kv_dim)],  # q and o, k and v
+        "LlamaMLP": [(3, hidden * shape["intermediate_size"])],  # gate, up, down
+        "LlamaRMSNorm": [(2, hidden)],  # before attention and before the MLP
+    }
 
 
 def module_sizes(shape: dict[str, Any]) -> list[tuple[int, int]]:
     """(how many, parameters each) of every module with weights in a Llama without biases: the embeddings (and the
-    untied output head), per layer q and o, k and v, gate, up and down, two RMSNorms, and the final norm. What ZeRO-3
-    partitions and gathers, module by module."""
-    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    heads = shape["num_attention_heads"]
-    kv_dim = (shape.get("num_key_value_heads") or heads) * (hidden // heads)
+    untied output head), per layer q and o, k and v, gate, up and down, two RMSNorms, and the final norm. Each holds one
+    weight tensor. What ZeRO-3 partitions, and gathers module by module without leaf modules."""
+    layers = shape["num_hidden_layers"]
+    embeddings = [(1 if shape.get("tie_word_embeddings") else 2, shape["vocab_size"] * shape["hidden_size"])]
+    per_layer = [entry for entries in _per_layer(shape).values() for entry in entries]
+    return [*embeddings, *((count * layers, size) for count, size in per_layer), (1, shape["hidden_size"])]
+
+
+# The Llama classes `zero3_leaf_modules` may name that change what ZeRO-3 gathers at once (a leaf RMSNorm, Embedding or
+# Linear is one module with weights anyway).
+WHOLE_MODEL_CLASSES = ("LlamaForCausalLM", "LlamaModel")
+GROUPING_CLASSES = ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP")
+
+
+def gathered_units(shape: dict[str, Any], leaves: Sequence[str] = ()) -> list[tuple[int, int]]:
+    """(how many, parameters each) of what ZeRO-3 fetches and releases as one, each with its own hooks: every module
+    with weights, except that a leaf class (`zero3_leaf_modules`, short or fully qualified names) is one unit with
+    everything inside it. Classes this Llama arithmetic does not know are counted module by module."""
+    names = {name.rsplit(".", 1)[-1] for name in leaves}
+    params = sum(count * size for count, size in module_sizes(shape))
+    if names & set(WHOLE_MODEL_CLASSES):
+        return [(1, params)]
+    layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
     embeddings = [(1 if shape.get("tie_word_embeddings") else 2, shape["vocab_size"] * hidden)]
-    per_layer = [(2, hidden * hidden), (2, hidden * kv_dim), (3, hidden * shape["intermediate_size"]), (2, hidden)]
+    groups = _per_layer(shape)
+    if "LlamaDecoderLayer" in names:
+        per_layer = [(1, sum(count * size for entries in groups.values() for count, size in entries))]
+    else:
+        per_layer = []
+        for cls, entries in groups.items():
+            grouped = cls in names and cls in GROUPING_CLASSES
+            per_layer += [(1, sum(count * size for count, size in entries))] if grouped else entries
     return [*embeddings, *((count * layers, size) for count, size in per_layer), (1, hidden)]
+
+
+def unknown_leaf_classes(leaves: Sequence[str]) -> list[str]:
+    """Leaf names the planner's arithmetic does not group (it counts their modules one by one)."""
+    known = {*WHOLE_MODEL_CLASSES, *GROUPING_CLASSES, "LlamaRMSNorm", "Embedding", "Linear"}
+    return [name for name in leaves if name.rsplit(".", 1)[-1] not in known]
 
 
 def llama_parameter_count(**shape: Any) -> tuple[int, int]:
@@ -25,8 +69,13 @@ def llama_parameter_count(**shape: Any) -> tuple[int, int]:
     return sum(count * size for count, size in sizes), max(size for _, size in sizes)
 
 
-def hooked_modules(shape: dict[str, Any]) -> int:
-    """Modules with parameters: ZeRO-3 runs its fetch and release hooks around each of them in every pass."""
+def hooked_modules(shape: dict[str, Any], leaves: Sequence[str] = ()) -> int:
+    """Units ZeRO-3 runs its fetch and release hooks around in each pass: modules with weights, a leaf counting once."""
+    return sum(count for count, _ in gathered_units(shape, leaves))
+
+
+def parameter_tensors(shape: dict[str, Any]) -> int:
+    """Weight tensors: ZeRO-3 gathers, partitions and reduces each on its own, whatever the granularity of its hooks."""
     return sum(count for count, _ in module_sizes(shape))
 
 

@@ -77,9 +77,11 @@ def test_the_start_line_names_the_path_and_an_implementation_without_one_is_refu
     assert attention.describe("sdpa", True) == "attention: sdpa, document masking: on (block_mask)"
     assert attention.describe("eager", False) == "attention: eager, document masking: off"
     assert set(ATTN_IMPLEMENTATIONS) == set(attention.MASKING_PATHS)
-    with pytest.raises(ValueError, match="flex_attention.*no packed path"):
-        attention.describe("flex_attention", True)
-    assert attention.describe("flex_attention", False).endswith("off")
+    assert attention.describe("flex_attention", True) == "attention: flex_attention, document masking: on (block_mask)"
+    assert attention.describe("torch_varlen", True) == "attention: torch_varlen, document masking: on (varlen)"
+    with pytest.raises(ValueError, match="paged_attention.*no packed path"):
+        attention.describe("paged_attention", True)
+    assert attention.describe("paged_attention", False).endswith("off")
 
 
 def test_the_check_prints_one_json_line_and_refuses_bad_input_in_one_line(capsys, tmp_path):

@@ -71,3 +71,15 @@ def test_clean_quality_plants_copies_and_measures_them(tmp_path):
     assert report["false_positives"] == 0 and report["other_documents"] == 30 + 2 - 8  # + noise, - originals
     assert report["filters_kept_docs"] == 30 and report["filters_and_dedup_kept_docs"] == 30
     assert report["filters_mb_per_s_per_core"] > 0 and report["filters_and_dedup_peak_rss_mb"] > 0
+
+
+@pytest.mark.multiprocess
+def test_zero3_host_tax_times_plain_torch_and_both_granularities():
+    report = run_benchmark("zero3_host_tax", "--layers", "4", "--steps", "1", "--rounds", "1")
+    cpu = report["cpu_s_per_step"]
+    assert set(cpu) == {"plain", "zero3_per_module", "zero3_leaves"} and min(cpu.values()) > 0
+    assert report["overhead_left_with_leaves"] == pytest.approx(
+        (cpu["zero3_leaves"] - cpu["plain"]) / (cpu["zero3_per_module"] - cpu["plain"]))  # fmt: skip
+    recipe = report["recipe_s_per_step"]
+    assert report["recipe_speedup"] == pytest.approx(recipe["per_module"] / recipe["leaves"])
+    assert report["warmup_losses_equal"] is True, "the same engine's first losses, with and without leaves"

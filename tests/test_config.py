@@ -41,6 +41,9 @@ def test_every_shipped_recipe_loads(path: Path):
     config = load_config(path)
     assert isinstance(config, PretrainConfig)
     assert config.global_batch_size is not None, "shipped recipes pin the global batch so a wrong launch is caught"
+    assert "zero3_leaf_modules: [LlamaDecoderLayer]" in path.read_text(), "each recipe says its ZeRO-3 granularity"
+    assert config.zero3_leaf_modules == ["LlamaDecoderLayer"] == PretrainConfig.__dataclass_fields__[
+        "zero3_leaf_modules"].default_factory()  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "world_size"), SPEC_RECIPES.items())
@@ -137,6 +140,9 @@ def test_yaml_exponent_floats_without_dot_are_numbers():
         (minimal(elastic=True), ["elastic", "global_batch_size"]),
         (minimal(elastic=True, global_batch_size=100, per_device_train_batch_size=8), ["global_batch_size", "8"]),
         (minimal(lr_scheduler_kwargs={"min_lr": "abc"}), ["lr_scheduler_kwargs.min_lr", "expected float"]),
+        (minimal(zero3_leaf_modules=["Llama Decoder"]), ["zero3_leaf_modules", "'Llama Decoder'", "not a class name"]),
+        (minimal(zero3_leaf_modules=["LlamaMLP", "LlamaMLP"]), ["zero3_leaf_modules", "more than once"]),
+        (minimal(zero3_leaf_modules={"LlamaMLP": 1}), ["zero3_leaf_modules", "expected a list"]),
     ],
 )
 def test_bad_values_name_the_fields(raw, names):

@@ -12,7 +12,7 @@ from tests.conftest import LAUNCH_ENV, REPO
 
 
 def training_run(**changes) -> dict:
-    run = {"micro_batch": 2, "gradient_checkpointing": False, "attn_implementation": "sdpa",
+    run = {"micro_batch": 2, "gradient_checkpointing": False, "leaves": True, "attn_implementation": "sdpa",
            "bare_s_per_step": 1.0, "recipe_s_per_step": 1.02, "recipe_masked_s_per_step": 1.1, "recipe_mfu": 0.42,
            "bare_mfu": 0.43, "recipe_masked_mfu": 0.39, "plan_mfu": 0.45, "steady_allocated_gb": 18.0,
            "peak_allocated_gb": 28.0, "peak_reserved_gb": 33.0}  # fmt: skip
@@ -33,9 +33,15 @@ def test_targets_are_met_and_missed_by_the_numbers():
     missed = gpu_check_report.judge({**good, "stages": {"training": [slow]}})
     assert [t["met"] for t in missed] == [False, False, False]
     assert missed[2]["term_off"].startswith("one step's additions")
+    assert targets[0]["target"] == "MFU >= 40% (mb2, checkpointing off, leaf layers)"
+    # a micro-batch that ran out of memory is reported, and judged by no target
+    oom = {"micro_batch": 4, "gradient_checkpointing": False, "leaves": True, "out_of_memory": True}
+    good["stages"]["training"].append(oom)
+    assert gpu_check_report.judge(good) == targets
     good["targets"] = targets
     markdown = gpu_check_report.render_markdown(good)
-    assert "| 2 | off | sdpa |" in markdown and "## Targets" in markdown
+    assert "| 2 | off | leaf layers | sdpa |" in markdown and "## Targets" in markdown
+    assert "| 4 | off | leaf layers | out of memory |" in markdown
     assert gpu_check_report.docs_row(good).count("|") == 12
 
 
@@ -49,20 +55,31 @@ def test_the_dry_run_exercises_every_stage_on_the_cpu(tmp_path):
     stages = results["stages"]
     assert stages["model_only"]["tokens_per_s"] > 0
     runs = stages["training"]
-    assert [(r["micro_batch"], r["gradient_checkpointing"]) for r in runs] == [(2, True), (1, False)]
-    assert runs[0]["recipe_s_per_step"] > 0 and runs[0]["recipe_masked_s_per_step"] > 0
+    assert [(r["micro_batch"], r["gradient_checkpointing"], r["leaves"]) for r in runs] == [
+        (2, True, True),
+        (1, False, False),
+    ]
+    assert [r["zero3_leaf_modules"] for r in runs] == [["LlamaDecoderLayer"], []]
+    assert [r["plan_hooked_modules"] for r in runs] == [7, 39], "4 layers: 2 + 4 + 1 units, or 2 + 4 x 9 + 1"
     # benchmarks/step_overhead.py's own report, as the training stage got it from the real Trainer
     timed = runs[0]
     assert timed["ratio"] == pytest.approx(timed["recipe_s_per_step"] / timed["bare_s_per_step"])
-    masking = timed["recipe_s_per_step"] / timed["recipe_masked_s_per_step"]
-    assert timed["masking_throughput_ratio"] == pytest.approx(masking)
-    assert timed["document_masking"] is False
+    assert timed["document_masking"] is False and timed["recipe_cpu_s_per_step"] > 0
     assert len(timed["warmup_losses"]) == timed["gradient_accumulation_steps"] > 1  # the dry run warms up 1 step
     assert all(r["bare_s_per_step"] > 0 and r["plan_memory"]["plan_total_gb"] > 0 for r in runs)
-    assert (tmp_path / "profile_mb2_ckpt_on.txt").read_text().count("aten::") > 5
+    assert (tmp_path / "profile_mb2_leaves.txt").read_text().count("aten::") > 5
+    deepcompile = stages["deepcompile"]  # CUDA only: its configs written and read back, nothing launched
+    assert deepcompile["cuda_only"] and not deepcompile["ran"] and deepcompile["deepcompile"] is True
+    assert "INDUCTOR" in deepcompile["dynamo_backend"].upper()
     checks = {c["attn_implementation"]: c for c in stages["attention"]["checks"]}
     assert checks["sdpa"]["path"] == "block_mask" and checks["flash_attention_2"]["path"] == "varlen"
+    assert checks["flex_attention"]["path"] == "block_mask" and "torch_varlen" not in checks
     assert all(c["ok"] for c in checks.values())
+    timings = {t["attn_implementation"]: t for t in stages["attention"]["timings"]}
+    assert timings["sdpa"]["ran"] and timings["sdpa"]["s_per_step"] > 0
+    for implementation in ("flex_attention", "torch_varlen", "flash_attention_2"):  # they train on CUDA only
+        assert not timings[implementation]["ran"] and timings[implementation]["cuda_only"]
+        assert "CUDA" in timings[implementation]["reason"]
     end_to_end = stages["end_to_end"]
     assert end_to_end["exit_code"] == 0 and "document masking: on" in end_to_end["attention_line"]
     assert end_to_end["mmlu_seconds_per_document"] > 0 and end_to_end["gsm8k_seconds_per_document"] > 0

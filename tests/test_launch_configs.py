@@ -40,9 +40,11 @@ def test_shared_zero3_json_holds_the_spec_values():
     zero = ds["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu"
     assert zero["offload_param"]["device"] == "none"
-    # stage 3 reads these; the source's "allgather_bucket_size 2e8" (a stage 1-2 key) is the prefetch bucket here
-    assert zero["reduce_bucket_size"] == 2e8 and zero["stage3_prefetch_bucket_size"] == 2e8
-    assert zero["stage3_max_live_parameters"] == 1e9 and zero["stage3_max_reuse_distance"] == 1e9
+    # stage 3 reads these. The source's "allgather_bucket_size 2e8" (a stage 1-2 key) would be the prefetch bucket, but
+    # with each decoder layer a leaf (0.86B parameters at 70B) the prefetch and the live bound must hold a whole layer,
+    # and two, for the next layer's gather to overlap this one's compute (the planner warns otherwise)
+    assert zero["reduce_bucket_size"] == 2e8 and zero["stage3_prefetch_bucket_size"] == 9e8
+    assert zero["stage3_max_live_parameters"] == 1.8e9 and zero["stage3_max_reuse_distance"] == 1e9
     assert zero["stage3_param_persistence_threshold"] == 1e5
     assert not {"allgather_partitions", "allgather_bucket_size"} & set(zero), "stage 1-2 keys that stage 3 ignores"
     assert zero["overlap_comm"] is True

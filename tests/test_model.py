@@ -4,6 +4,7 @@ and the 70B shape's parameter count and FLOPs."""
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import recipes.training.model as model_module
 from recipes.architecture import training_flops_per_token
@@ -25,11 +26,23 @@ from tests.conftest import REPO
         ("flash_attention_2", True, False, "sdpa", "not installed"),
         ("sdpa", True, True, "sdpa", "requested"),
         ("eager", False, False, "eager", "requested"),
+        ("flex_attention", True, False, "flex_attention", "requested"),
+        ("flex_attention", False, False, "sdpa", "backward runs on CUDA only"),
     ],
 )
 def test_attention_choice_and_reason(requested, cuda, flash, expected, reason_part):
     chosen, reason = choose_attn_implementation(requested, cuda_available=cuda, flash_attn_installed=flash)
     assert chosen == expected and reason_part in reason
+
+
+def test_torch_varlen_is_chosen_only_where_its_kernel_runs():
+    usable = choose_attn_implementation("torch_varlen", cuda_available=True, flash_attn_installed=False,
+                                        torch_varlen=(True, "torch 2.13 varlen_attn"))  # fmt: skip
+    assert usable == ("torch_varlen", "torch 2.13 varlen_attn")
+    unusable = (False, "torch's varlen_attn runs on CUDA only")
+    chosen, reason = choose_attn_implementation("torch_varlen", cuda_available=False, flash_attn_installed=False,
+                                                torch_varlen=unusable)  # fmt: skip
+    assert chosen == "sdpa" and "CUDA only" in reason
 
 
 def tiny_llama(layers=4, seed=0):
@@ -144,3 +157,61 @@ def test_deepspeed_imports_lean_and_mlflow_still_imports_after():
                                env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert completed.stdout.strip().endswith("mlflow")
+
+
+def test_torch_varlen_sends_padded_and_cached_batches_to_sdpa_with_their_mask():
+    """Without CUDA its kernel cannot run, but the routing can be seen: a batch with a padding mask, or a cached
+    decoding step (fewer queries than keys), goes to sdpa with the mask transformers built; whole rows do not."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from recipes.training import torch_varlen
+
+    class Attention(torch.nn.Module):
+        is_causal, num_key_value_groups = True, 2
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    mask[0, ..., :2] = False
+    routed, _ = torch_varlen.varlen_attention(Attention(), query, key, value, mask, scaling=0.3)
+    direct, _ = sdpa_attention_forward(Attention(), query, key, value, mask, scaling=0.3)
+    assert torch.equal(routed, direct)
+    step, _ = torch_varlen.varlen_attention(Attention(), query[:, :, -1:], key, value, None, scaling=0.3)
+    assert torch.equal(step, sdpa_attention_forward(Attention(), query[:, :, -1:], key, value, None, scaling=0.3)[0])
+    assert torch_varlen.varlen_mask(2, 6, 6, attention_mask=None) is None
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, NotImplementedError)):  # whole rows take the kernel, which needs CUDA
+            torch_varlen.varlen_attention(Attention(), query, key, value, None, scaling=0.3)
+
+
+def test_leaf_class_names_are_checked_against_the_model():
+    from recipes.config import ConfigError
+    from recipes.training.model import check_leaf_modules, module_class_names
+
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=80,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    names = module_class_names(config)
+    assert {"LlamaDecoderLayer", "LlamaMLP", "transformers.models.llama.modeling_llama.LlamaDecoderLayer"} <= names
+    check_leaf_modules(["LlamaDecoderLayer", "transformers.models.llama.modeling_llama.LlamaMLP"], config)
+    check_leaf_modules([], config)
+    with pytest.raises(ConfigError, match=r"zero3_leaf_modules: \['MistralDecoderLayer'\] match no module.*"
+                                          r"LlamaDecoderLayer"):  # fmt: skip
+        check_leaf_modules(["LlamaDecoderLayer", "MistralDecoderLayer"], config)
+
+
+def test_a_chunk_tail_passes_through_without_hooks_and_keeps_its_class_name():
+    """The model's own call of a layer inside a checkpointed chunk returns its input untouched and fires no module
+    hook (ZeRO-3 would gather a leaf layer for nothing); the chunk's head runs it with its hooks."""
+    model = tiny_llama(layers=4)
+    calls = []
+    for index, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda module, args, i=index: calls.append(i))
+    enable_chunked_checkpointing(model, 2)
+    tail = model.model.layers[1]
+    assert type(tail).__name__ == "LlamaDecoderLayer" and isinstance(tail, LlamaDecoderLayer)
+    hidden = torch.randn(1, 3, 32)
+    assert tail(hidden, position_embeddings=None) is hidden and calls == []
+    model.train()
+    ids = torch.randint(0, 97, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls[:4] == [0, 1, 2, 3], "each layer's hooks once in the forward, tails inside their chunk"

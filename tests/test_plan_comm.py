@@ -198,15 +198,17 @@ def test_hpz_trains_on_the_cpu_with_the_losses_of_plain_zero3(tmp_path, corpus):
     assert len(losses["hpz"]) == 6 and losses["hpz"] == losses["plain"]
 
 
-# Measured on one H200 (docs/gpu-results.md, 2026-12-04): the 1.1B GPU-check recipe under ZeRO-3 reached 5.0 % MFU
-# with checkpointing and 9.6-11.6 % without; plain torch reached 37.8 %. GSM8K in the loop: 1.01 s per document.
+# Measured on one H200 (docs/gpu-results.md, 2026-12-04), every module hooked: the 1.1B GPU-check recipe under ZeRO-3
+# reached 5.0 % MFU with checkpointing and 9.6-11.6 % without; plain torch reached 37.8 %. GSM8K in the loop: 1.01 s
+# per document.
 GPU_CHECK_RECIPE = REPO / "recipes/configs/llama1b_gpu_check.yaml"
 NO_OFFLOAD = load_deepspeed_json(REPO / "accelerate_configs/deepspeed/zero3_no_offload.json")
+PER_MODULE = ["--zero3_leaf_modules", "[]"]
 
 
 @pytest.mark.parametrize(("checkpointing", "measured_mfu"), [("true", 0.050), ("false", 0.106)])
 def test_the_planner_prices_zero3_host_hooks_as_measured_on_a_gpu(checkpointing, measured_mfu):
-    config = load_config(GPU_CHECK_RECIPE, ["--gradient_checkpointing", checkpointing])
+    config = load_config(GPU_CHECK_RECIPE, ["--gradient_checkpointing", checkpointing, *PER_MODULE])
     plan = planner.make_plan(config, planner.hardware_from(config), NO_OFFLOAD)
     assert plan.bound == "host"
     assert measured_mfu / 2 <= plan.predicted_mfu <= measured_mfu * 2
@@ -214,7 +216,26 @@ def test_the_planner_prices_zero3_host_hooks_as_measured_on_a_gpu(checkpointing,
 
 
 def test_generation_in_the_loop_is_priced_per_forward_as_measured_on_a_gpu():
-    config = load_config(GPU_CHECK_RECIPE)
+    config = load_config(GPU_CHECK_RECIPE, PER_MODULE)
     plan = planner.make_plan(config, planner.hardware_from(config), NO_OFFLOAD)
     per_document = plan.eval_seconds_by_task["gsm8k"] / plan.eval_documents["gsm8k"]
     assert 1.01 / 2 <= per_document <= 1.01 * 2
+
+
+def test_leaf_layers_leave_the_per_tensor_share_of_the_host_time():
+    """With each decoder layer a leaf, 25 hooked units instead of 201 at 1.1B: the host term keeps the per-tensor
+    share of the per-module figure and the per-module share of 25 units (a third of the time, as measured on the CPU
+    by benchmarks/zero3_host_tax.py), and the plan counts them (`hooked_modules`, in --json too)."""
+    from recipes.planning.report import json_summary
+    from recipes.planning.step_time import ZERO3_HOST_TENSOR_SHARE
+
+    per_module = planner.make_plan(load_config(GPU_CHECK_RECIPE, PER_MODULE), planner.hardware_from(
+        load_config(GPU_CHECK_RECIPE)), NO_OFFLOAD)  # fmt: skip
+    config = load_config(GPU_CHECK_RECIPE)
+    leaves = planner.make_plan(config, planner.hardware_from(config), NO_OFFLOAD)
+    assert (per_module.hooked_modules, leaves.hooked_modules) == (201, 25)
+    expected = (25 * (1 - ZERO3_HOST_TENSOR_SHARE) + 201 * ZERO3_HOST_TENSOR_SHARE) / 201
+    host = leaves.step_time_breakdown_s["host"] / per_module.step_time_breakdown_s["host"]
+    assert host == pytest.approx(expected, rel=1e-3) and 0.25 < host < 0.45
+    assert leaves.predicted_mfu > per_module.predicted_mfu
+    assert json_summary(leaves)["hooked_modules"] == 25

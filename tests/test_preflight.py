@@ -237,3 +237,11 @@ def test_the_metrics_endpoint_listens_on_this_host_only_unless_told():
     assert load_config(TINY_RECIPE, ["--metrics_host", "0.0.0.0"]).metrics_host == "0.0.0.0"
     script = (REPO / "scripts/slurm/run.sh").read_text()
     assert "--metrics_host 0.0.0.0" in script, "the Slurm scripts serve it to a Prometheus on another machine"
+
+
+def test_a_leaf_class_the_model_does_not_have_is_refused_naming_the_classes_it_has(corpus, tmp_path):
+    """DeepSpeed itself would say so only when the engine is built, and only if no name matched at all."""
+    said = preflight_refusal(corpus, tmp_path / "out", zero3_leaf_modules="[LlamaDecoderLayer,MixtralSparseMoeBlock]")
+    assert said.startswith("zero3_leaf_modules: ['MixtralSparseMoeBlock'] match no module of this model"), said
+    assert "LlamaDecoderLayer" in said and "[] hooks every module" in said
+    assert preflight_refusal(corpus, tmp_path / "out2", zero3_leaf_modules="[]") == ""

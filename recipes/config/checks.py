@@ -61,6 +61,20 @@ def validate_static(config: PretrainConfig) -> None:
     _validate_schedule(config)
     _validate_intervals(config)
     _validate_model_source(config)
+    _validate_leaf_modules(config.zero3_leaf_modules)
+
+
+def _validate_leaf_modules(names: list[str]) -> None:
+    """Class names (LlamaDecoderLayer, or fully qualified), each once; whether the model has them is preflight's."""
+    for name in names:
+        if not all(part.isidentifier() for part in str(name).split(".")):
+            raise ConfigError(
+                f"zero3_leaf_modules: {name!r} is not a class name (e.g. LlamaDecoderLayer, or "
+                "transformers.models.llama.modeling_llama.LlamaDecoderLayer); [] hooks every module"
+            )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError(f"zero3_leaf_modules lists {repeated} more than once")
 
 
 def _validate_training_data(config: PretrainConfig) -> None:

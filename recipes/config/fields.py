@@ -18,8 +18,10 @@ class ConfigError(ValueError):
 
 LR_SCHEDULER_TYPES = ("cosine_with_min_lr", "cosine", "constant_with_warmup")
 # The attention implementations a recipe may ask for, each with the path that masks packed documents from each other
-# (recipes.training.attention): flash-attn's variable-length kernel, or a block-diagonal mask built from position ids.
-ATTN_MASKING_PATHS = {"flash_attention_2": "varlen", "sdpa": "block_mask", "eager": "block_mask"}
+# (recipes.training.attention): a variable-length kernel (flash-attn's, or torch's own: recipes.training.torch_varlen),
+# or a block-diagonal mask built from position ids (dense for sdpa and eager, a BlockMask for flex_attention).
+ATTN_MASKING_PATHS = {"flash_attention_2": "varlen", "torch_varlen": "varlen", "sdpa": "block_mask",
+                      "eager": "block_mask", "flex_attention": "block_mask"}  # fmt: skip
 ATTN_IMPLEMENTATIONS = tuple(ATTN_MASKING_PATHS)
 LOSS_SPIKE_ACTIONS = ("log", "rollback")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
@@ -183,6 +185,15 @@ class PretrainConfig:
     )
     gradient_checkpointing_layers_per_checkpoint: int = field(
         default=1, metadata={"help": "Decoder layers recomputed together: N stores one hidden state every N layers."}
+    )
+    zero3_leaf_modules: list[str] = field(
+        default_factory=lambda: ["LlamaDecoderLayer"],
+        metadata={
+            "help": (
+                "Module classes ZeRO-3 gathers whole, with no hooks on the modules inside them (DeepSpeed's leaf "
+                "modules): one fetch and release per decoder layer instead of ~13. [] hooks every module."
+            )
+        },
     )
 
     logging_steps: int = field(

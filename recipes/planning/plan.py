@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from eval.in_loop import SPLITS_REQUESTS_OVER_RANKS
-from recipes.architecture import hooked_modules, llama_parameter_count, module_sizes, training_flops_per_token
+from recipes.architecture import (
+    gathered_units,
+    hooked_modules,
+    llama_parameter_count,
+    module_sizes,
+    parameter_tensors,
+    training_flops_per_token,
+    unknown_leaf_classes,
+)
 from recipes.config import (
     MODEL_CONFIG_KEYS,
     ConfigError,
@@ -41,7 +49,8 @@ DEFAULT_DEEPSPEED_JSON = Path(__file__).resolve().parents[2] / "accelerate_confi
 @dataclass
 class Plan:
     params: int
-    largest_layer_params: int
+    largest_layer_params: int  # the largest unit ZeRO-3 gathers at once: a module, or a whole leaf (a decoder layer)
+    hooked_modules: int  # modules with parameters ZeRO-3 hooks, a leaf counting once (zero3_leaf_modules)
     num_layers: int
     vocab_size: int
     total_steps: int
@@ -136,7 +145,8 @@ def predicted_step(config: PretrainConfig, hardware: Hardware, ds_config: dict[s
         accumulation=rows // (micro * world),
         gpus=world,
         nodes=hardware.nodes,
-        hooked_modules=hooked_modules(shape),
+        hooked_modules=hooked_modules(shape, config.zero3_leaf_modules),
+        parameter_tensors=parameter_tensors(shape),
     )  # fmt: skip
     return step_time(work, zero, wires)
 
@@ -201,7 +211,7 @@ def price_evaluation(config: PretrainConfig, hardware: Hardware, ds_config: dict
         mmlu_subjects=local_mmlu_subjects(config.mmlu_dir),
     )
     between = step_seconds * config.eval_steps * config.eval_benchmarks_every if step_seconds else None
-    host_s = host_s_per_pass(hooked_modules(shape))
+    host_s = host_s_per_pass(hooked_modules(shape, config.zero3_leaf_modules), parameter_tensors(shape))
     return eval_cost(work, params=params, gather_s=gather_s, flops_per_s=flops_per_s, host_s_per_forward=host_s,
                      training_s_between=between)  # fmt: skip
 
@@ -216,6 +226,16 @@ def eval_terms(evaluation: EvalCost | None) -> dict[str, Any]:
             "eval_share": evaluation.share}  # fmt: skip
 
 
+def planned_shape(config: PretrainConfig, vocab_size: int | None, warnings: list[str]) -> dict[str, Any]:
+    """The model shape with its vocabulary: given, the recipe's, or the local tokenizer's."""
+    shape = model_shape(config, warnings)
+    if vocab_size:
+        shape["vocab_size"] = vocab_size
+    elif "vocab_size" not in shape:
+        shape["vocab_size"] = resolve_vocab_size(config, warnings)
+    return shape
+
+
 def make_plan(
     config: PretrainConfig,
     hardware: Hardware,
@@ -228,12 +248,9 @@ def make_plan(
     config = for_world(config, hardware.gpus)
     validate_for_world(config, hardware.gpus)
     warnings: list[str] = []
-    shape = model_shape(config, warnings)
-    if vocab_size:
-        shape["vocab_size"] = vocab_size
-    elif "vocab_size" not in shape:
-        shape["vocab_size"] = resolve_vocab_size(config, warnings)
-    params, largest = llama_parameter_count(**shape)
+    shape = planned_shape(config, vocab_size, warnings)
+    params, _ = llama_parameter_count(**shape)
+    largest = max(size for _, size in gathered_units(shape, config.zero3_leaf_modules))  # what is gathered at once
     world, seq = hardware.gpus, config.max_seq_length
     memory, model_states_gpu = gpu_memory_terms(config, shape, params, largest, world, ds_config)
     host = host_memory_terms(config, params, hardware, ds_config)
@@ -245,6 +262,7 @@ def make_plan(
     plan = Plan(
         params=params,
         largest_layer_params=largest,
+        hooked_modules=hooked_modules(shape, config.zero3_leaf_modules),
         num_layers=shape["num_hidden_layers"],
         vocab_size=shape["vocab_size"],
         total_steps=config.total_steps(world),
@@ -275,7 +293,31 @@ def make_plan(
         hardware=asdict(hardware),
     )
     _judge(plan, config, hardware, target_tokens_per_s)
+    _leaf_warnings(plan, config, ds_config)
     return plan
+
+
+def _leaf_warnings(plan: Plan, config: PretrainConfig, ds_config: dict[str, Any]) -> None:
+    """What leaf modules ask of ZeRO-3's prefetch. DeepSpeed prefetches when a hooked module is fetched, up to
+    `stage3_prefetch_bucket_size` elements and as long as fewer than `stage3_max_live_parameters` are gathered: with a
+    whole layer per fetch, both must hold a layer for the next one's gather to run during this one's compute."""
+    unknown = unknown_leaf_classes(config.zero3_leaf_modules)
+    if unknown:
+        plan.warnings.append(f"zero3_leaf_modules {unknown}: not Llama classes the planner knows; it counts the "
+                             "modules inside them one by one")  # fmt: skip
+    if not config.zero3_leaf_modules or plan.largest_layer_params == plan.params:
+        return
+    zero = ds_config.get("zero_optimization", {})
+    bucket = float(zero.get("stage3_prefetch_bucket_size", 5e7))
+    live = float(zero.get("stage3_max_live_parameters", 1e9))
+    leaf = plan.largest_layer_params
+    prefetched = max(0.0, min(bucket, live - leaf, leaf)) / leaf
+    if prefetched < 1:
+        plan.warnings.append(
+            f"with leaf modules ZeRO-3 gathers {leaf / 1e6:,.0f}M parameters at once, but can prefetch only "
+            f"{prefetched:.0%} of the next leaf (stage3_prefetch_bucket_size {bucket:.3g}, stage3_max_live_parameters "
+            f"{live:.3g}): set them to at least {leaf:.2g} and {2 * leaf:.2g} for its gather to overlap compute"
+        )
 
 
 def _judge(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens_per_s: float | None) -> None:

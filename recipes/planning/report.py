@@ -23,6 +23,9 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
         f"  FLOPs per token: {plan.flops_per_token / 1e9:.0f} G "
         f"({plan.hardware_flops_per_token / 1e9:.0f} G with recomputation)",
     ]
+    leaves = ", ".join(config.zero3_leaf_modules) or "none: every module"
+    lines.append(f"  ZeRO-3 granularity: hooks on {plan.hooked_modules:,} modules with parameters (leaf modules: "
+                 f"{leaves}); at most {plan.largest_layer_params / 1e6:,.1f}M parameters gathered at once")  # fmt: skip
     if plan.step_time_breakdown_s:
         lines += format_breakdown(plan)
     if plan.peak_tokens_per_s:

@@ -27,7 +27,9 @@ the shorter of compute and communication is hidden. The exposed communication is
 
 ZeRO-3 also costs host time: Python hooks before and after every module with parameters fetch, release and
 account for its partitions, in the forward, the backward (about twice the forward's hook work) and a recomputed
-forward. The GPU runs while the host enqueues, so a micro-batch takes the longer of its kernels and its host work.
+forward. A leaf module (`zero3_leaf_modules`, by default each decoder layer) is hooked once for everything inside
+it; the per-tensor part of the work (gathering, partitioning and reducing each weight) stays. The GPU runs while
+the host enqueues, so a micro-batch takes the longer of its kernels and its host work.
 Measured on one H200 (docs/gpu-results.md, 1.1B model, 201 such modules): ~0.6 ms per module per forward pass,
 in generation and in training alike, which made that model host-bound (11.6 % MFU under ZeRO-3 against 37.8 % in
 plain torch). A 70B model has 723 such modules and ~60x the FLOPs per token: there the host work hides behind the
@@ -42,9 +44,18 @@ from typing import Any
 
 GB = 1e9
 CPU_ADAM_BYTES_PER_PARAM = 30  # fp32 param, grad, m, v read (16); param, m, v written (12); bf16 copy written (2)
-# ZeRO-3's hook work per module with parameters per forward pass (backward: 2 passes' worth), on the host: measured
-# on an H200 machine's CPU (docs/gpu-results.md); a slower host core raises it.
+# ZeRO-3's host work per forward pass (backward: 2 passes' worth), per module with parameters when every module is
+# hooked: measured on an H200 machine's CPU (docs/gpu-results.md, 201 such modules, each holding one weight tensor);
+# a slower host core raises it.
 ZERO3_HOST_S_PER_MODULE_PASS = 0.6e-3
+# Of that, the share that is per weight tensor (gathering, partitioning and reducing it), which leaf modules do not
+# remove; the rest is per hooked module (its four hooks and their bookkeeping). Fitted on the CPU, where the same
+# Python runs, by `python -m benchmarks.zero3_host_tax` (docs/training.md): 24 thin layers, 219 weight tensors, ZeRO-3's
+# CPU time over plain torch 0.205 s per step with 219 hooked modules and 0.073 s with 27 (leaf layers) gives
+# 0.69 ms per hooked module and 0.25 ms per tensor. Not yet measured on a GPU.
+ZERO3_HOST_TENSOR_SHARE = 0.27
+ZERO3_HOST_S_PER_HOOKED_MODULE_PASS = ZERO3_HOST_S_PER_MODULE_PASS * (1 - ZERO3_HOST_TENSOR_SHARE)
+ZERO3_HOST_S_PER_TENSOR_PASS = ZERO3_HOST_S_PER_MODULE_PASS * ZERO3_HOST_TENSOR_SHARE
 
 
 @dataclass(frozen=True)
@@ -149,7 +160,8 @@ class Workload:
     accumulation: int
     gpus: int
     nodes: int
-    hooked_modules: int = 0  # modules with parameters: ZeRO-3 runs host hooks around each
+    hooked_modules: int = 0  # modules with parameters, a leaf module counting once: ZeRO-3 runs host hooks around each
+    parameter_tensors: int = 0  # weight tensors: ZeRO-3 gathers, partitions and reduces each on its own
 
 
 @dataclass
@@ -170,9 +182,9 @@ class StepTime:
                 if key in ("compute", "host", "communication", "exposed_communication", "optimizer")}  # fmt: skip
 
 
-def host_s_per_pass(hooked_modules: int) -> float:
-    """Host seconds of ZeRO-3's hooks for one forward pass over the model."""
-    return hooked_modules * ZERO3_HOST_S_PER_MODULE_PASS
+def host_s_per_pass(hooked_modules: int, parameter_tensors: int) -> float:
+    """Host seconds of ZeRO-3's work for one forward pass over the model: per hooked module and per weight tensor."""
+    return hooked_modules * ZERO3_HOST_S_PER_HOOKED_MODULE_PASS + parameter_tensors * ZERO3_HOST_S_PER_TENSOR_PASS
 
 
 def collective_s(tensor_bytes: float, wires: Wires, gpus: int, nodes: int, intra_only: bool = False) -> float:
@@ -208,7 +220,7 @@ def step_time(work: Workload, zero: Zero3, wires: Wires) -> StepTime:
         / (wires.peak_tflops * 1e12 * wires.compute_efficiency)
     )
     passes = 3 + (1 if work.layers_per_checkpoint else 0)  # forward, backward (2), recomputed forward
-    host = passes * host_s_per_pass(work.hooked_modules)
+    host = passes * host_s_per_pass(work.hooked_modules, work.parameter_tensors)
     busy = max(compute, host)  # the GPU runs while the host enqueues: the longer of the two
     exposed = communication - wires.overlap * min(communication, busy)
     optimizer = 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 from typing import Any
@@ -10,11 +11,19 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from recipes.config import PretrainConfig
+from recipes.config import ConfigError, PretrainConfig
 
 
-def choose_attn_implementation(requested: str, *, cuda_available: bool, flash_attn_installed: bool) -> tuple[str, str]:
-    """The attention kernel to use and why: flash-attn needs both the package and a CUDA device."""
+def choose_attn_implementation(requested: str, *, cuda_available: bool, flash_attn_installed: bool,
+                               torch_varlen: tuple[bool, str] = (False, "")) -> tuple[str, str]:  # fmt: skip
+    """The attention kernel to use and why: flash-attn needs both the package and a CUDA device; torch's varlen
+    kernel (`torch_varlen`: whether it is usable, and why) a torch that has it and a CUDA device; flex_attention a
+    CUDA device for its backward (torch 2.13 refuses it on the CPU, at the first backward)."""
+    if requested == "flex_attention" and not cuda_available:
+        return "sdpa", "flex_attention requested but its backward runs on CUDA only; using sdpa"
+    if requested == "torch_varlen":
+        usable, why = torch_varlen
+        return ("torch_varlen", why) if usable else ("sdpa", f"torch_varlen requested but {why}; using sdpa")
     if requested != "flash_attention_2":
         return requested, f"{requested} requested"
     if not cuda_available:
@@ -25,11 +34,17 @@ def choose_attn_implementation(requested: str, *, cuda_available: bool, flash_at
 
 
 def detect_attn_implementation(requested: str) -> tuple[str, str]:
-    return choose_attn_implementation(
+    from recipes.training import torch_varlen
+
+    chosen = choose_attn_implementation(
         requested,
         cuda_available=torch.cuda.is_available(),
         flash_attn_installed=importlib.util.find_spec("flash_attn") is not None,
+        torch_varlen=torch_varlen.available() if requested == torch_varlen.NAME else (False, ""),
     )
+    if chosen[0] == torch_varlen.NAME:
+        torch_varlen.register()  # before a model names it
+    return chosen
 
 
 def llama_config(config: PretrainConfig, tokenizer_size: int) -> LlamaConfig:
@@ -69,20 +84,25 @@ def enable_chunked_checkpointing(model: torch.nn.Module, layers_per_checkpoint: 
 
     transformers checkpoints every layer on its own; the SPEC asks for a checkpoint every 2 layers
     (80 layers: 40 stored hidden states of 2048 x 8192 x 2 B = 34 MB per sequence each). The first
-    layer of a chunk runs the whole chunk under `torch.utils.checkpoint`; the others become
-    pass-throughs when called by the model's own loop. Calling them through `forward` skips only
-    the decoder layer's own hooks: it owns no parameters, so ZeRO-3 still gathers each submodule's.
-    Returns the number of checkpoints.
+    layer of a chunk runs the whole chunk under `torch.utils.checkpoint`, calling the other layers through their
+    module call, so that ZeRO-3's hooks on them (or on their submodules) gather their parameters and, for a leaf
+    layer, reduce its gradients after its backward. When the model's own loop then calls those layers, they pass the
+    hidden state through without any hook: nothing is gathered twice. Returns the number of checkpoints.
     """
     layers = model.model.layers
     chunks = [list(layers[i : i + layers_per_checkpoint]) for i in range(0, len(layers), layers_per_checkpoint)]
     for chunk in chunks:
         head, tail = chunk[0], chunk[1:]
-        real_forwards = [type(layer).forward.__get__(layer) for layer in chunk]
+        head_forward_itself = type(head).forward.__get__(head)
+        tail_calls = []
+        for layer in tail:
+            hooked_call = torch.nn.Module.__call__.__get__(layer)  # hooks, then the layer's own forward
+            layer.__class__ = _chunk_tail_class(type(layer))
+            tail_calls.append(hooked_call)
 
-        def run_chunk(hidden_states, *args, _forwards=tuple(real_forwards), **kwargs):
-            for forward in _forwards:
-                hidden_states = forward(hidden_states, *args, **kwargs)
+        def run_chunk(hidden_states, *args, _calls=(head_forward_itself, *tail_calls), **kwargs):
+            for call in _calls:
+                hidden_states = call(hidden_states, *args, **kwargs)
             return hidden_states
 
         def head_forward(hidden_states, *args, _run=run_chunk, _head=head, **kwargs):
@@ -91,13 +111,88 @@ def enable_chunked_checkpointing(model: torch.nn.Module, layers_per_checkpoint: 
             return _run(hidden_states, *args, **kwargs)
 
         head.forward = head_forward
-        for layer in tail:
-            layer.forward = _pass_through
     return len(chunks)
 
 
-def _pass_through(hidden_states, *args, **kwargs):
-    return hidden_states
+_CHUNK_TAIL_CLASSES: dict[type, type] = {}
+
+
+def _chunk_tail_class(layer_class: type) -> type:
+    """`layer_class` whose call from outside its chunk returns the hidden state untouched, before any module hook
+    (its chunk's head already ran it). Same name and module, so class-name rules (leaf modules, export) still match;
+    a subclass, so isinstance holds."""
+    if layer_class not in _CHUNK_TAIL_CLASSES:
+
+        def __call__(self, hidden_states, *args, **kwargs):
+            return hidden_states
+
+        namespace = {
+            "__call__": __call__,
+            "__module__": layer_class.__module__,
+            "__qualname__": layer_class.__qualname__,
+        }
+        _CHUNK_TAIL_CLASSES[layer_class] = type(layer_class.__name__, (layer_class,), namespace)
+    return _CHUNK_TAIL_CLASSES[layer_class]
+
+
+def module_class_names(model_config) -> set[str]:
+    """Every module class of the model `model_config` describes, by short and fully qualified name: the model built
+    with one decoder layer on the meta device (no memory; well under a second at any size)."""
+    small = copy.deepcopy(model_config)
+    small.num_hidden_layers = 1
+    model_class = AutoModelForCausalLM._model_mapping[type(small)]
+    with torch.device("meta"):  # the class itself: from_config would partition it under an active ZeRO-3 config
+        model = model_class(small)
+    return {name for module in model.modules() for name in (type(module).__name__, _qualified(type(module)))}
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_leaf_modules(names: list[str], model_config) -> None:
+    """Each `zero3_leaf_modules` name matches a module class of the model (DeepSpeed would only say, once the engine
+    is built, that none of them did)."""
+    if not names:
+        return
+    present = module_class_names(model_config)
+    missing = [name for name in names if name not in present]
+    if missing:
+        short = sorted(name for name in present if "." not in name)
+        raise ConfigError(
+            f"zero3_leaf_modules: {missing} match no module of this model; its module classes are {short} "
+            "(usually [LlamaDecoderLayer]; [] hooks every module)"
+        )
+
+
+def apply_leaf_modules(model: torch.nn.Module, names: list[str]) -> tuple[int, int]:
+    """Mark the modules of the classes `names` as ZeRO-3 leaves (DeepSpeed's `set_z3_leaf_modules`), before the
+    engine registers its hooks: each leaf is fetched and released whole, with no hooks on the modules inside it.
+    Returns (modules hooked at this granularity, modules hooked without leaves)."""
+    if names:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, list(names))
+    return hooked_module_count(model), sum(1 for _ in model.modules())
+
+
+def describe_granularity(names: list[str], hooked: int, per_module: int) -> str:
+    """The start line that says how ZeRO-3 gathers this model."""
+    if not names:
+        return f"ZeRO-3 granularity: every module (zero3_leaf_modules []): hooks on {per_module} modules"
+    return (
+        f"ZeRO-3 granularity: {', '.join(names)} gathered whole (zero3_leaf_modules): hooks on {hooked} modules "
+        f"instead of {per_module}"
+    )
+
+
+def hooked_module_count(model: torch.nn.Module) -> int:
+    """Modules DeepSpeed registers hooks on: all of them, except those inside a leaf."""
+    from deepspeed.utils import z3_leaf_module
+
+    if z3_leaf_module(model):
+        return 1
+    return 1 + sum(hooked_module_count(child) for child in model.children())
 
 
 def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -193,6 +288,8 @@ def build_engine(config: PretrainConfig, model_config, attn_implementation: str,
         num_params,
         local_parameter_elements(model),
     )
+    hooked, per_module = apply_leaf_modules(model, config.zero3_leaf_modules)  # before the chunks rename classes
+    logger.info("%s", describe_granularity(config.zero3_leaf_modules, hooked, per_module))
     if config.gradient_checkpointing:
         chunks = enable_chunked_checkpointing(model, config.gradient_checkpointing_layers_per_checkpoint)
         per_chunk = config.gradient_checkpointing_layers_per_checkpoint

@@ -31,7 +31,7 @@ from recipes.planning.plan import make_plan, plan_predictions
 from recipes.planning.report import format_plan
 from recipes.telemetry.trackers import check_trackers
 from recipes.training import attention, checkpointing
-from recipes.training.model import detect_attn_implementation, llama_config
+from recipes.training.model import check_leaf_modules, detect_attn_implementation, llama_config
 from recipes.training.resume import run_identity
 from recipes.training.train_data import open_train_source
 
@@ -164,13 +164,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
             "per rank and dataloader worker, so it cannot move to another number of processes"
         )
     validation = validation_rows(config, tokenizer)
-    model_config = llama_config(config, len(tokenizer))
-    validate_against_model(
-        config,
-        vocab_size=model_config.vocab_size,
-        tokenizer_size=len(tokenizer),
-        max_positions=model_config.max_position_embeddings,
-    )
+    model_config = checked_model_config(config, tokenizer)
     benchmarks = benchmark_settings(config)
     if benchmarks:
         benchmarks.check(RECIPE_KEYS)  # numbers and data directories, before the model costs anything
@@ -209,6 +203,19 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         identity,
         plan_predictions(plan),
     )
+
+
+def checked_model_config(config: PretrainConfig, tokenizer):
+    """The model's config, checked against the recipe and the tokenizer, and the leaf classes against the model."""
+    model_config = llama_config(config, len(tokenizer))
+    validate_against_model(
+        config,
+        vocab_size=model_config.vocab_size,
+        tokenizer_size=len(tokenizer),
+        max_positions=model_config.max_position_embeddings,
+    )
+    check_leaf_modules(config.zero3_leaf_modules, model_config)
+    return model_config
 
 
 def fit_eval_batch(config: PretrainConfig, fits: int | None, world_size: int) -> bool:

@@ -1,0 +1,74 @@
+"""torch's own variable-length attention as a transformers attention implementation, `torch_varlen`: packed documents
+kept apart by flash-attn's varlen kernel as torch ships it (`torch.nn.attention.varlen.varlen_attn`, CUDA, bf16/fp16),
+for clusters where the flash-attn wheel cannot be built.
+
+transformers builds no mask for an attention function it does not know and hands it the keyword arguments the model
+was called with, so the recipe's `cu_seq_lens_q/k` and `max_length_q/k` (`recipes.training.attention`, the same ones
+flash_attention_2 gets) arrive here. A batch without them and without padding is B rows of one sequence each. A padded
+batch (benchmarks through lm-eval) or a step of cached generation goes to sdpa with the mask transformers builds for
+it, so that padding is masked as on every other path.
+"""
+
+from __future__ import annotations
+
+NAME = "torch_varlen"
+
+
+def available() -> tuple[bool, str]:
+    """Whether this torch has the kernel and a CUDA device to run it on, and if not, why."""
+    import torch
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False, f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if not torch.cuda.is_available():
+        return False, "torch's varlen_attn runs on CUDA only"
+    return True, f"torch {torch.__version__} varlen_attn"
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, cu_seq_lens_q=None,
+                     cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):  # fmt: skip
+    """(batch, heads, seq, dim) query, key and value in, (batch, seq, heads, dim) out, as transformers' functions."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, seq, dim = query.shape
+    whole_rows = attention_mask is None and key.shape[2] == seq
+    if cu_seq_lens_q is None and not whole_rows:  # padding or a cache: the masked path
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)  # fmt: skip
+    import torch
+    from torch.nn.attention.varlen import varlen_attn
+
+    if cu_seq_lens_q is None:  # each row one causal sequence
+        cu_seq_lens_q = cu_seq_lens_k = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=query.device)
+        max_length_q = max_length_k = seq
+    kv_heads = key.shape[1]
+
+    def tokens(tensor, count):  # (batch, count, seq, dim) -> (batch * seq, count, dim)
+        return tensor.transpose(1, 2).reshape(batch * seq, count, dim)
+
+    output = varlen_attn(
+        tokens(query, heads), tokens(key, kv_heads), tokens(value, kv_heads),
+        cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_length_q), int(max_length_k),
+        scale=scaling, window_size=(-1, 0), enable_gqa=kv_heads != heads,
+    )  # fmt: skip
+    return output.reshape(batch, seq, heads, dim), None
+
+
+def varlen_mask(*args, attention_mask=None, **kwargs):
+    """No mask for whole rows (the kernel masks by sequence lengths); sdpa's for padded ones."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def register() -> None:
+    """Make `torch_varlen` a name transformers accepts for `attn_implementation`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, varlen_attention)
+    AttentionMaskInterface.register(NAME, varlen_mask)
