@@ -87,6 +87,8 @@ def model_args(device: str, dtype: str, parallelize: bool) -> dict:
         dtype = "bfloat16" if device == "cuda" else "float32"
     if parallelize and device != "cuda":
         raise ValueError("--parallelize shards the model over GPUs; this machine has none (use --device cpu)")
+    if device == "cuda" and not cuda:
+        raise ValueError("--device cuda: no CUDA device is visible on this machine (use --device cpu or auto)")
     return {"device": device, "dtype": dtype, "parallelize": parallelize}
 
 

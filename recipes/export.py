@@ -97,6 +97,7 @@ def export_checkpoint(
         reads["the run directory"] = checkpoint.parent
     check_output(output, overwrite, reads)
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)  # `--output /models/step-4000` on a fresh volume
         with FileLock(checkpointing.export_staging(output)[1], what="another export to this --output"), \
                 FileLock(checkpointing.reader_pin(checkpoint), shared=True):  # fmt: skip
             if verify:
@@ -172,12 +173,23 @@ def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, 
             "exported": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         atomic_write_text(staging / "export.json", json.dumps(source, indent=2))
+        with_umask_modes(staging)
         if output.exists():
             shutil.rmtree(output)
         os.replace(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
     return output
+
+
+def with_umask_modes(directory: Path) -> None:
+    """Give every file and directory under `directory` the mode the process's umask gives a new one (0644 and 0755
+    under the usual 022): DeepSpeed's conversion writes the weights 0600, which a teammate on shared storage cannot
+    read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _write_weights(checkpoint: Path, staging: Path, dtype: str, max_shard_size: str, model_config) -> None:

@@ -201,6 +201,8 @@ def test_lm_evals_cli_and_eval_run_give_identical_scores(tmp_path, data, tiny_mo
            "--include_path", str(Path("eval/tasks").resolve()), "--tasks", tasks, "--metadata", metadata,
            "--limit", "3", "--batch_size", "8", "--device", "cpu",
            "--gen_kwargs", "max_gen_toks=16", "--output_path", str(tmp_path / "cli")]  # fmt: skip
+    documented = (Path(__file__).parent.parent / "docs/benchmarks.md").read_text()
+    assert "--tasks mmlu_local,gsm8k_local --output_path " in documented, "the documented line saves its results"
     completed = subprocess.run(cli, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
     assert completed.returncode == 0, completed.stderr[-3000:]
     (cli_file,) = (tmp_path / "cli").rglob("results_*.json")
@@ -239,6 +241,12 @@ def test_standalone_runner_on_both_layouts_writes_lm_eval_results(tmp_path, data
     if not torch.cuda.is_available():  # sharding over GPUs is refused on a machine without them, before loading
         arguments = ["--model", str(tiny_model_dir), "--gsm8k-dir", str(data["gsm8k_jsonl"]), "--tasks", "gsm8k"]
         assert run_main([*arguments, "--parallelize", "--output", str(tmp_path / "x.json")]) == 2
+        capsys.readouterr()
+        # --device cuda without CUDA: one line before the model is loaded (was 349 lines and exit 1)
+        assert run_main([*arguments, "--device", "cuda", "--output", str(tmp_path / "x.json")]) == 2
+        assert capsys.readouterr().err == (
+            "error: --device cuda: no CUDA device is visible on this machine (use --device cpu or auto)\n"
+        )
 
 
 def test_an_output_that_cannot_take_the_results_is_refused_before_the_evaluation(tmp_path, data, tiny_model_dir,
@@ -307,6 +315,8 @@ def test_lm_evals_cli_names_a_bad_directory_in_one_line(tmp_path):
     metadata = json.dumps({"mmlu_dir": str(tmp_path / "no_mmlu")})
     cli = [sys.executable, "-m", "lm_eval", "--model", "dummy", "--include_path", str(Path("eval/tasks").resolve()),
            "--tasks", "mmlu_local_anatomy", "--metadata", metadata, "--limit", "1"]  # fmt: skip
+    documented = (Path(__file__).parent.parent / "docs/benchmarks.md").read_text()
+    assert "--tasks mmlu_local,gsm8k_local --output_path " in documented, "the documented line saves its results"
     completed = subprocess.run(cli, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
     assert completed.returncode != 0
     assert (

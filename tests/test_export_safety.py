@@ -152,3 +152,17 @@ def test_a_killed_exports_staging_is_removed_at_the_next_start(run, trained_run)
     assert result.returncode == 0, result.stderr
     assert f"removing {export_staging(elsewhere)[0]}, left by an export to {elsewhere} that was killed" in result.stderr
     assert leftovers(run_dir.parent) == []
+
+
+def test_missing_parents_are_made_and_files_get_the_umask_modes(run, tmp_path):
+    """`--output /models/step-4000` where /models does not exist yet, as the README's shared storage; the files are
+    readable by the group and others under umask 022, as every other output (the weights were 0600)."""
+    _, checkpoint, _ = run
+    output = tmp_path / "models" / "shared" / "step-40"
+    result = subprocess.run([sys.executable, "-m", "recipes.export", str(checkpoint), "--output", str(output)],
+                            cwd=REPO, env=LAUNCH_ENV, capture_output=True, text=True, timeout=300,
+                            preexec_fn=lambda: os.umask(0o022))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    modes = {path.name: path.stat().st_mode & 0o777 for path in [output, *output.iterdir()]}
+    assert modes.pop("step-40") == 0o755 and modes["model.safetensors"] == 0o644
+    assert set(modes.values()) == {0o644}, modes

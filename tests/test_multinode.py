@@ -32,7 +32,7 @@ def test_two_machines_on_loopback_train_save_and_export(tmp_path, corpus):
     for machine, (_, stderr) in zip(machines, outputs, strict=True):
         assert machine.returncode == 0, stderr[-4000:]
     log = outputs[0][1]
-    assert "on 2 GPUs / 2 node(s)" in log, "each machine runs one of the two ranks"
+    assert "on 2 processes / 2 node(s)" in log, "each machine runs one of the two ranks"
     manifest = json.loads((tmp_path / "checkpoint-6" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and len(data_position(tmp_path / "checkpoint-6")["per_rank"]) == 2
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == [2, 4, 6]

@@ -238,3 +238,17 @@ def test_the_units_zero3_gathers_are_those_of_the_model_at_each_granularity(leav
     expected = sorted(units(model))
     planned = sorted(size for count, size in gathered_units(shape, leaves) for _ in range(count))
     assert planned == expected and hooked_modules(shape, leaves) == len(expected)
+
+
+def test_the_plan_of_a_cpu_rehearsal_reads_right(capsys):
+    """The tiny recipe plans 2 processes on a CPU: no GPUs named, and no number that rounds to 0 (FLOPs, days, sizes,
+    seconds), as a new user following the README met it."""
+    tiny = REPO / "recipes/configs/tiny_cpu.yaml"
+    assert planner.main(["--config", str(tiny), "--model_config.vocab_size", "2048"]) == 0
+    text = capsys.readouterr().out
+    assert "on 2 processes / 1 node(s)" in text and "GPUs" not in text and "per GPU" not in text
+    assert "1.25M parameters" in text and "FLOPs per token: 8.29 M (11.1 M with recomputation)" in text
+    assert "step time: 0.4 s; total: 1.8 min, 0.0589 process-hours" in text
+    assert " 0 G" not in text and " 0 days" not in text and " 0 GB" not in text and "0.0 h" not in text
+    assert planner.main(["--config", str(RECIPE_8)]) == 0
+    assert "on 8 GPUs / 1 node(s)" in capsys.readouterr().out

@@ -95,7 +95,7 @@ def test_a_node_lost_mid_run_is_survived_unattended_and_the_run_grows_back(slurm
     state = slurm_cluster.wait_for_job(two_nodes, 900)
     log = next(tmp_path.glob(f"*-{two_nodes}.out")).read_text()
     assert state["JobState"] == "COMPLETED", log[-3000:]
-    assert state["NodeList"] == "n[1-2]" and "on 2 GPUs / 2 node(s)" in log
+    assert state["NodeList"] == "n[1-2]" and "on 2 processes / 2 node(s)" in log
     expected = train_losses(tmp_path / "two_nodes")
     assert sorted(expected) == list(range(1, 25))
 

@@ -35,6 +35,12 @@ class Hardware:
     def gpus_per_node(self) -> int:
         return self.gpus // self.nodes
 
+    @property
+    def devices(self) -> str:
+        """What the plan calls its ranks: GPUs where it knows a GPU (its memory or a profile), else processes (a CPU
+        rehearsal, whose `hardware.gpu_memory_gb` is null)."""
+        return "GPUs" if self.gpu_memory_gb is not None or self.profile else "processes"
+
     def step_model(self):
         """The profile's wires with this hardware's overrides; None without a profile."""
         if not self.profile:

@@ -42,6 +42,7 @@ from recipes.planning.memory import (
     host_memory_terms,
 )
 from recipes.planning.step_time import StepTime, Workload, Zero3, collective_s, host_s_per_pass, step_time
+from recipes.planning.units import format_duration, gb_text
 
 DEFAULT_DEEPSPEED_JSON = Path(__file__).resolve().parents[2] / "accelerate_configs" / "deepspeed" / "zero3.json"
 
@@ -334,22 +335,22 @@ def _memory_verdicts(plan: Plan, hardware: Hardware) -> None:
         terms = sorted(((v, k) for k, v in memory.items() if k != "total"), reverse=True)[:3]
         biggest = ", ".join(f"{k} {v:.1f} GB" for v, k in terms)
         plan.verdicts.append(
-            f"does not fit: {memory['total']:.1f} GB per GPU needed, {hardware.gpu_memory_gb:g} GB available; "
+            f"does not fit: {memory['total']:.1f} GB per GPU needed, {gb_text(hardware.gpu_memory_gb)} available; "
             f"largest terms: {biggest}"
         )
     if hardware.host_memory_gb is not None and plan.host_memory_per_node_gb > hardware.host_memory_gb:
         plan.fits = False
         plan.verdicts.append(
             f"does not fit: {plan.host_memory_per_node_gb:.0f} GB of host memory per node needed, "
-            f"{hardware.host_memory_gb:g} GB available (offloaded optimizer "
+            f"{gb_text(hardware.host_memory_gb)} available (offloaded optimizer "
             f"{plan.host_memory_terms_gb['offloaded_optimizer']:.0f} GB)"
         )
     if plan.fits:
         plan.verdicts.append(
-            f"fits: {memory['total']:.1f} GB per GPU"
-            + (f" of {hardware.gpu_memory_gb:g}" if hardware.gpu_memory_gb else "")
-            + f", {plan.host_memory_per_node_gb:.0f} GB host memory per node"
-            + (f" of {hardware.host_memory_gb:g}" if hardware.host_memory_gb else "")
+            f"fits: {gb_text(memory['total'])} per {'GPU' if hardware.devices == 'GPUs' else 'process'}"
+            + (f" of {gb_text(hardware.gpu_memory_gb)}" if hardware.gpu_memory_gb else "")
+            + f", {gb_text(plan.host_memory_per_node_gb)} host memory per node"
+            + (f" of {gb_text(hardware.host_memory_gb)}" if hardware.host_memory_gb else "")
         )
 
 
@@ -358,7 +359,7 @@ def _warnings(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tok
         plan.warnings.append(
             f"DeepSpeed's estimator, with its {DEEPSPEED_HOST_BUFFER_FACTOR}x buffer factor, asks "
             f"{plan.deepspeed_host_estimate_gb:.0f} GB of host memory per node, more than the "
-            f"{hardware.host_memory_gb:g} GB available: little headroom for pinned buffers"
+            f"{gb_text(hardware.host_memory_gb)} available: little headroom for pinned buffers"
         )
     if plan.peak_tokens_per_s and target_tokens_per_s and target_tokens_per_s > plan.peak_tokens_per_s:
         plan.warnings.append(
@@ -377,7 +378,8 @@ def _warnings(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tok
     if plan.expected_days and plan.expected_days > 365:
         plan.warnings.append(
             f"the token budget takes {plan.expected_days / 365:.1f} years at "
-            f"{hardware.mfu if hardware.mfu is not None else plan.predicted_mfu:.0%} MFU on {hardware.gpus} GPUs"
+            f"{hardware.mfu if hardware.mfu is not None else plan.predicted_mfu:.0%} MFU on {hardware.gpus} "
+            f"{hardware.devices}"
         )
 
 
@@ -385,8 +387,8 @@ def _evaluation_warnings(plan: Plan, config: PretrainConfig) -> None:
     if plan.eval_share is not None and plan.eval_share > SHARE_WARNING:
         plan.warnings.append(
             f"benchmarks take {plan.eval_share:.0%} of the training time between evaluations "
-            f"({plan.eval_seconds / 3600:,.1f} h per evaluation, {plan.eval_forward_passes:,} forward passes per rank, "
-            f"each gathering the whole model): set eval_limit, raise per_device_eval_batch_size, lower "
+            f"({format_duration(plan.eval_seconds)} per evaluation, {plan.eval_forward_passes:,} forward passes per "
+            f"rank, each gathering the whole model): set eval_limit, raise per_device_eval_batch_size, lower "
             "eval_max_gen_toks or evaluate less often (eval_benchmarks_every)"
         )
     if plan.eval_batch_fits is not None and config.per_device_eval_batch_size > plan.eval_batch_fits:

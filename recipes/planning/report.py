@@ -12,40 +12,43 @@ from recipes.planning.plan import Plan
 from recipes.planning.step_time import (
     chinchilla,
 )
+from recipes.planning.units import format_duration, format_total, gb_text, parameters, si
 
 
 def format_plan(plan: Plan, config: PretrainConfig) -> str:
     h = plan.hardware
-    size = f"{plan.params / 1e9:.2f}B" if plan.params >= 1e9 else f"{plan.params / 1e6:.2f}M"
+    devices = "GPUs" if h["gpu_memory_gb"] is not None or h["profile"] else "processes"
     lines = [
-        f"plan for a {plan.num_layers}-layer Llama, {size} parameters, on {h['gpus']} GPUs / {h['nodes']} node(s)",
+        f"plan for a {plan.num_layers}-layer Llama, {parameters(plan.params)} parameters, on {h['gpus']} {devices} / "
+        f"{h['nodes']} node(s)",
         f"  steps: {plan.total_steps:,}; warmup {config.warmup_steps:,} steps = {plan.warmup_fraction:.2%}",
-        f"  FLOPs per token: {plan.flops_per_token / 1e9:.0f} G "
-        f"({plan.hardware_flops_per_token / 1e9:.0f} G with recomputation)",
+        f"  FLOPs per token: {si(plan.flops_per_token)} ({si(plan.hardware_flops_per_token)} with recomputation)",
     ]
     leaves = ", ".join(config.zero3_leaf_modules) or "none: every module"
     lines.append(f"  ZeRO-3 granularity: hooks on {plan.hooked_modules:,} modules with parameters (leaf modules: "
-                 f"{leaves}); at most {plan.largest_layer_params / 1e6:,.1f}M parameters gathered at once")  # fmt: skip
+                 f"{leaves}); at most {parameters(plan.largest_layer_params)} parameters gathered at once")  # fmt: skip
     if plan.step_time_breakdown_s:
         lines += format_breakdown(plan)
     if plan.peak_tokens_per_s:
         at = f"{h['mfu']:.0%} MFU (--mfu)" if h["mfu"] is not None else f"the modelled {plan.predicted_mfu:.1%} MFU"
+        per_device = devices[:-1] if devices == "GPUs" else "process"
         lines += [
             f"  tokens/s: ceiling {plan.peak_tokens_per_s:,.0f} at 100% MFU; expected "
-            f"{plan.expected_tokens_per_s:,.0f} at {at} ({plan.expected_tokens_per_s / h['gpus']:,.0f}/GPU)",
-            f"  step time: {plan.step_time_s:.1f} s; total: {plan.expected_days:,.0f} days "
-            f"({plan.expected_days / 365:.1f} years), {plan.gpu_hours / 1e6:.2f}M GPU-hours",
+            f"{plan.expected_tokens_per_s:,.0f} at {at} ({plan.expected_tokens_per_s / h['gpus']:,.0f}/{per_device})",
+            f"  step time: {plan.step_time_s:.1f} s; total: {format_total(plan.expected_days * 86_400)}, "
+            f"{si(plan.gpu_hours)} {per_device}-hours",
         ]
-    lines.append("  GPU memory per GPU (GB):")
+    lines.append(f"  memory per {devices[:-1] if devices == 'GPUs' else 'process, as on a GPU'} (GB):")
     lines += [f"    {name:28s} {value:8.2f}" for name, value in plan.per_gpu_memory_gb.items()]
     lines.append(f"    (DeepSpeed model states: {plan.model_states_gpu_gb:.2f})")
-    lines.append(f"  host memory per node: {plan.host_memory_per_node_gb:,.0f} GB")
+    lines.append(f"  host memory per node: {gb_text(plan.host_memory_per_node_gb)}")
     lines += [f"    {name:28s} {value:8.1f}" for name, value in plan.host_memory_terms_gb.items()]
     lines.append(
-        f"  checkpoint: {plan.checkpoint_gb:,.0f} GB each; {plan.checkpoint_disk_gb:,.0f} GB of disk for "
+        f"  checkpoint: {gb_text(plan.checkpoint_gb)} each; {gb_text(plan.checkpoint_disk_gb)} of disk for "
         f"save_total_limit={config.save_total_limit} plus the one being written; verified at resume in "
-        f"~{plan.checkpoint_verify_s:,.0f} s (sha256, every rank its share at {SHA256_GB_PER_S} GB/s); a save takes "
-        f"~{plan.checkpoint_save_s:,.0f} s (write at {CHECKPOINT_WRITE_GB_PER_S_PER_RANK} GB/s per rank, then hash)"
+        f"~{format_duration(plan.checkpoint_verify_s)} (sha256, every rank its share at {SHA256_GB_PER_S} GB/s); a "
+        f"save takes ~{format_duration(plan.checkpoint_save_s)} (write at {CHECKPOINT_WRITE_GB_PER_S_PER_RANK} GB/s "
+        "per rank, then hash)"
     )
     if plan.eval_seconds is not None:
         documents = ", ".join(f"{task} {count:,}" for task, count in plan.eval_documents.items())
@@ -62,12 +65,6 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
     lines += [f"  verdict: {v}" for v in plan.verdicts]
     lines += [f"  warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
-
-
-def format_duration(seconds: float) -> str:
-    if seconds >= 86_400:
-        return f"{seconds / 86_400:,.1f} days"
-    return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds:,.0f} s"
 
 
 def format_breakdown(plan: Plan) -> list[str]:

@@ -96,7 +96,8 @@ def search(config: PretrainConfig, hardware, ds_config: dict[str, Any], vocab_si
 
 
 def format_search(ranked, shipped: Choice, rank: int | None, hardware, top: int = 5) -> str:
-    lines = [f"configurations that fit on {hardware.gpus} GPUs / {hardware.nodes} node(s), by modelled tokens/s "
+    lines = [f"configurations that fit on {hardware.gpus} {hardware.devices} / {hardware.nodes} node(s), by modelled "
+             "tokens/s "
              f"({len(ranked)} fit):"]  # fmt: skip
     for index, (choice, plan) in enumerate(ranked[:top], start=1):
         lines.append(
