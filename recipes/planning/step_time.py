@@ -50,10 +50,11 @@ CPU_ADAM_BYTES_PER_PARAM = 30  # fp32 param, grad, m, v read (16); param, m, v w
 ZERO3_HOST_S_PER_MODULE_PASS = 0.6e-3
 # Of that, the share that is per weight tensor (gathering, partitioning and reducing it), which leaf modules do not
 # remove; the rest is per hooked module (its four hooks and their bookkeeping). Fitted on the CPU, where the same
-# Python runs, by `python -m benchmarks.zero3_host_tax` (docs/training.md): 24 thin layers, 219 weight tensors, ZeRO-3's
-# CPU time over plain torch 0.205 s per step with 219 hooked modules and 0.073 s with 27 (leaf layers) gives
-# 0.69 ms per hooked module and 0.25 ms per tensor. Not yet measured on a GPU.
-ZERO3_HOST_TENSOR_SHARE = 0.27
+# Python runs, by `python -m benchmarks.zero3_host_tax` (docs/training.md): 24 thin layers, 219 weight tensors; ZeRO-3's
+# CPU time over plain torch per step with 219 hooked modules and with 27 (leaf layers), 0.258 and 0.077 s, gives
+# 0.94 ms per hooked module and 0.24 ms per tensor, a share of 0.20 (an earlier run: 0.205 and 0.073 s, 0.27).
+# Not yet measured on a GPU.
+ZERO3_HOST_TENSOR_SHARE = 0.25
 ZERO3_HOST_S_PER_HOOKED_MODULE_PASS = ZERO3_HOST_S_PER_MODULE_PASS * (1 - ZERO3_HOST_TENSOR_SHARE)
 ZERO3_HOST_S_PER_TENSOR_PASS = ZERO3_HOST_S_PER_MODULE_PASS * ZERO3_HOST_TENSOR_SHARE
 
