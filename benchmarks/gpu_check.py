@@ -140,7 +140,7 @@ def training_stage(report: Report, work: Path, scale: Scale, deadline: float) ->
         try:
             summary = step_overhead.run(args)
         except RuntimeError as error:
-            if "out of memory" in str(error).lower():
+            if isinstance(error, step_overhead.LaunchOutOfMemory):
                 out_of_memory[series] = configuration.micro_batch
                 runs.append({"micro_batch": configuration.micro_batch, "leaves": configuration.leaves,
                              "gradient_checkpointing": configuration.checkpointing, "out_of_memory": True})  # fmt: skip

@@ -40,6 +40,10 @@ EOS_ID = 0
 MEAN_DOCUMENT_TOKENS = 300  # where the fixed batches put an EOS, on average
 
 
+class LaunchOutOfMemory(RuntimeError):
+    """The launch ran out of device memory."""
+
+
 def fixed_batches(micro_batches):
     """Stands in for the dataloader: the same micro-batches every step, so data cost is equal and zero."""
     from recipes.training.train_data import TrainData
@@ -341,7 +345,9 @@ def run(argv: list[str] | None = None) -> dict:
         except subprocess.TimeoutExpired as error:
             raise RuntimeError(f"step_overhead: launch timed out after {args.timeout_s} s") from error
         if completed.returncode != 0 or not output.exists():
-            raise RuntimeError(completed.stderr[-4000:])
+            # the whole stderr: after a CUDA out-of-memory, the launcher's tracebacks can push its line out of the tail
+            failure = LaunchOutOfMemory if "out of memory" in completed.stderr.lower() else RuntimeError
+            raise failure(completed.stderr[-4000:])
         return summarize(json.loads(output.read_text()))
 
 

@@ -191,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-output", help="also write the JSON line's object to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if min(args.layers, args.steps, args.rounds, args.micro_batch) < 1 or args.hidden < 8 or args.hidden % 4:
-        parser.error("--layers, --steps, --rounds and --micro-batch must be >= 1, --hidden a multiple of 4 and >= 8")
+    if min(args.layers, args.steps, args.rounds, args.micro_batch) < 1 or args.hidden < 8 or args.hidden % 8:
+        # 4 attention heads of an even size (RoPE rotates pairs)
+        parser.error("--layers, --steps, --rounds and --micro-batch must be >= 1, --hidden a multiple of 8")
     if args.bf16 == "auto":
         from benchmarks.step_overhead import resolve_bf16
 

@@ -42,8 +42,11 @@ def gathered_units(shape: dict[str, Any], leaves: Sequence[str] = ()) -> list[tu
     everything inside it. Classes this Llama arithmetic does not know are counted module by module."""
     names = {name.rsplit(".", 1)[-1] for name in leaves}
     params = sum(count * size for count, size in module_sizes(shape))
-    if names & set(WHOLE_MODEL_CLASSES):
+    head = 0 if shape.get("tie_word_embeddings") else shape["vocab_size"] * shape["hidden_size"]
+    if "LlamaForCausalLM" in names:
         return [(1, params)]
+    if "LlamaModel" in names:  # the output head lies outside it, hooked on its own
+        return [(1, params - head), *([(1, head)] if head else [])]
     layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
     embeddings = [(1 if shape.get("tie_word_embeddings") else 2, shape["vocab_size"] * hidden)]
     groups = _per_layer(shape)
@@ -55,6 +58,13 @@ def gathered_units(shape: dict[str, Any], leaves: Sequence[str] = ()) -> list[tu
             grouped = cls in names and cls in GROUPING_CLASSES
             per_layer += [(1, sum(count * size for count, size in entries))] if grouped else entries
     return [*embeddings, *((count * layers, size) for count, size in per_layer), (1, hidden)]
+
+
+def largest_leaf(shape: dict[str, Any], leaves: Sequence[str] = ()) -> int | None:
+    """Parameters of the largest unit a leaf class gathers at once (a decoder layer, an attention or MLP block, the
+    model); None when no leaf groups modules."""
+    grouped = {size for _, size in gathered_units(shape, leaves)} - {size for _, size in module_sizes(shape)}
+    return max(grouped) if grouped else None
 
 
 def unknown_leaf_classes(leaves: Sequence[str]) -> list[str]:

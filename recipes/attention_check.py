@@ -143,6 +143,24 @@ def _register_probe() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_NAME, flash_attention_mask)
 
 
+@contextlib.contextmanager
+def recording_torch_varlen_branches(taken: list[str]):
+    """torch_varlen's branches recorded as its function takes them (`varlen` or `sdpa`), in the order of the calls."""
+    from recipes.training import torch_varlen
+
+    original = torch_varlen.branch
+
+    def record(*args, **kwargs):
+        taken.append(original(*args, **kwargs))
+        return taken[-1]
+
+    torch_varlen.branch = record
+    try:
+        yield
+    finally:
+        torch_varlen.branch = original
+
+
 def build_model(config, *, device: str, dtype_name: str, num_layers: int | None, vocab_size: int | None,
                 seed: int) -> tuple[Any, bool, str]:  # fmt: skip
     """(model, whether flash-attn's own kernels run, kernel name). `flash_attention_2` without flash-attn is built
@@ -167,6 +185,11 @@ def build_model(config, *, device: str, dtype_name: str, num_layers: int | None,
     if requested == "flash_attention_2" and not real_flash:
         _register_probe()
         build_as, kernel = PROBE_NAME, "reference"
+    elif requested == "torch_varlen":
+        chosen, reason = detect_attn_implementation(requested)  # registers it where its kernel runs
+        if chosen != requested:
+            raise ConfigError(f"attn_implementation torch_varlen cannot be checked here: {reason}")
+        build_as, kernel = requested, "torch varlen_attn"
     else:
         build_as, kernel = requested, "flash-attn" if real_flash else requested
     torch.manual_seed(seed)
@@ -206,9 +229,9 @@ def run_check(config, *, device: str, dtype_name: str, num_layers: int | None = 
     batch = packed_batch(rows, seq_len, model.config.vocab_size, eos_id).to(device)
     inputs = masking.inputs(batch)
     taken: list[str] = []
-    with recording_flash_branches(real_flash, taken):
+    with recording_flash_branches(real_flash, taken), recording_torch_varlen_branches(taken):
         max_abs_diff, documents = packed_against_alone(model, batch, inputs, eos_id)
-    if requested == "flash_attention_2":
+    if requested in ("flash_attention_2", "torch_varlen"):
         path = "varlen" if taken[:1] == ["varlen"] else "none"
     else:
         position_ids = inputs.get("position_ids")

@@ -22,7 +22,9 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -184,12 +186,28 @@ def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, 
 
 def with_umask_modes(directory: Path) -> None:
     """Give every file and directory under `directory` the mode the process's umask gives a new one (0644 and 0755
-    under the usual 022): DeepSpeed's conversion writes the weights 0600, which a teammate on shared storage cannot
-    read."""
-    umask = os.umask(0)
-    os.umask(umask)
+    under the usual 022), keeping a directory's setgid bit (group inheritance on shared storage): DeepSpeed's
+    conversion writes the weights 0600, which a teammate on shared storage cannot read."""
+    umask = process_umask()
     for path in [directory, *directory.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        setgid = path.stat().st_mode & stat.S_ISGID if path.is_dir() else 0
+        path.chmod(((0o777 if path.is_dir() else 0o666) & ~umask) | setgid)
+
+
+def process_umask() -> int:
+    """This process's umask, read without setting it (os.umask would change it for every thread meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    probe = Path(tempfile.mkdtemp()) / "probe"  # elsewhere: the mode a new file gets
+    try:
+        probe.touch(mode=0o666)
+        return 0o666 & ~probe.stat().st_mode & 0o777
+    finally:
+        shutil.rmtree(probe.parent, ignore_errors=True)
 
 
 def _write_weights(checkpoint: Path, staging: Path, dtype: str, max_shard_size: str, model_config) -> None:

@@ -140,6 +140,7 @@ def test_yaml_exponent_floats_without_dot_are_numbers():
         (minimal(elastic=True), ["elastic", "global_batch_size"]),
         (minimal(elastic=True, global_batch_size=100, per_device_train_batch_size=8), ["global_batch_size", "8"]),
         (minimal(lr_scheduler_kwargs={"min_lr": "abc"}), ["lr_scheduler_kwargs.min_lr", "expected float"]),
+        (minimal(attn_implementation="torch_varlen", bf16=False), ["torch_varlen", "bf16"]),
         (minimal(zero3_leaf_modules=["Llama Decoder"]), ["zero3_leaf_modules", "'Llama Decoder'", "not a class name"]),
         (minimal(zero3_leaf_modules=["LlamaMLP", "LlamaMLP"]), ["zero3_leaf_modules", "more than once"]),
         (minimal(zero3_leaf_modules={"LlamaMLP": 1}), ["zero3_leaf_modules", "expected a list"]),

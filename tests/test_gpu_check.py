@@ -96,3 +96,35 @@ def test_without_a_gpu_the_real_check_refuses_in_one_line():
     assert completed.stderr.strip() == (
         "error: no CUDA device is visible; `make gpu-check DRY_RUN=1` rehearses the check on the CPU"
     )
+
+
+def test_a_micro_batch_series_stops_at_its_first_out_of_memory(tmp_path, monkeypatch):
+    """The sweep on a GPU: micro-batch 4 runs out of memory with leaf layers, so 8 is not tried at that granularity;
+    the per-module series goes on. The launch's whole stderr is searched (its tail may be the launcher's traceback)."""
+    import time
+
+    from benchmarks import gpu_check, step_overhead
+    from benchmarks.gpu_check_setup import GPU_SWEEP, Report, Scale
+
+    tried = []
+
+    def fake_run(args):
+        micro = int(args[args.index("--per_device_train_batch_size") + 1])
+        leaves = args[args.index("--zero3_leaf_modules") + 1] != "[]"
+        tried.append((micro, leaves))
+        if leaves and micro >= 4:
+            raise step_overhead.LaunchOutOfMemory("...torch.OutOfMemoryError: CUDA out of memory...")
+        return {"micro_batch": micro, "gradient_checkpointing": True, "attn_implementation": "sdpa",
+                "steady_allocated_gb": None, "peak_allocated_gb": None, "peak_reserved_gb": None}  # fmt: skip
+
+    monkeypatch.setattr(step_overhead, "run", fake_run)
+    scale = Scale.of(dry_run=False)
+    assert scale.configurations == GPU_SWEEP
+    report = Report(tmp_path, dry_run=False)
+    gpu_check.training_stage(report, tmp_path, scale, deadline=time.monotonic() + 600)
+    assert tried == [(1, True), (2, True), (4, True), (1, False), (2, False), (4, False), (8, False)]
+    runs = report.results["stages"]["training"]
+    assert [(r["micro_batch"], r["leaves"], r.get("out_of_memory", False)) for r in runs] == [
+        (1, True, False), (2, True, False), (4, True, True), (1, False, False), (2, False, False), (4, False, False),
+        (8, False, False)]  # fmt: skip
+    assert [r["plan_hooked_modules"] for r in runs if not r.get("out_of_memory")] == [25, 25, 201, 201, 201, 201]

@@ -178,7 +178,15 @@ def test_torch_varlen_sends_padded_and_cached_batches_to_sdpa_with_their_mask():
     assert torch.equal(routed, direct)
     step, _ = torch_varlen.varlen_attention(Attention(), query[:, :, -1:], key, value, None, scaling=0.3)
     assert torch.equal(step, sdpa_attention_forward(Attention(), query[:, :, -1:], key, value, None, scaling=0.3)[0])
-    assert torch_varlen.varlen_mask(2, 6, 6, attention_mask=None) is None
+    assert torch_varlen.varlen_mask(2, 6, 6, attention_mask=None) is None, "whole rows: the kernel masks"
+    over_cache = torch_varlen.varlen_mask(2, 3, 6, kv_offset=0, q_offset=3, attention_mask=None, dtype=torch.float32,
+                                          allow_is_causal_skip=True)  # fmt: skip
+    assert over_cache is not None and over_cache[0, 0].tolist()[0] == [True] * 4 + [False] * 2
+    assert torch_varlen.branch(None, 6, 6, None) == "varlen" and torch_varlen.branch(mask, 6, 6, None) == "sdpa"
+    assert (
+        torch_varlen.branch(None, 6, 6, torch.tensor([0, 6])) == "varlen"
+        and torch_varlen.branch(None, 1, 6, None) == "sdpa"
+    )
     if not torch.cuda.is_available():
         with pytest.raises((RuntimeError, NotImplementedError)):  # whole rows take the kernel, which needs CUDA
             torch_varlen.varlen_attention(Attention(), query, key, value, None, scaling=0.3)

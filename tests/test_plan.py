@@ -252,3 +252,22 @@ def test_the_plan_of_a_cpu_rehearsal_reads_right(capsys):
     assert " 0 G" not in text and " 0 days" not in text and " 0 GB" not in text and "0.0 h" not in text
     assert planner.main(["--config", str(RECIPE_8)]) == 0
     assert "on 8 GPUs / 1 node(s)" in capsys.readouterr().out
+
+
+def test_leaf_layers_warn_when_the_prefetch_cannot_hold_the_next_one_and_the_advice_silences_it():
+    """DeepSpeed prefetches at each hooked fetch, within the prefetch bucket and the live bound: with 0.86B-parameter
+    leaf layers the source's 2e8 / 1e9 prefetch 17 % of the next layer. Following the warning's numbers ends it."""
+    config = load_config(RECIPE_8)
+    source = copy.deepcopy(ZERO3)
+    source["zero_optimization"].update(stage3_prefetch_bucket_size=2e8, stage3_max_live_parameters=1e9)
+    plan = planner.make_plan(config, planner.hardware_from(config), source, vocab_size=32_000)
+    (warning,) = [w for w in plan.warnings if "prefetch only" in w]
+    assert "856M parameters at once, but can prefetch only 17% of the next leaf" in warning
+    assert warning.endswith("set them to at least 8.6e+08 and 1.8e+09 for its gather to overlap compute")
+    source["zero_optimization"].update(stage3_prefetch_bucket_size=8.6e8, stage3_max_live_parameters=1.8e9)
+    plan = planner.make_plan(config, planner.hardware_from(config), source, vocab_size=32_000)
+    assert not [w for w in plan.warnings if "prefetch only" in w]
+    assert not [w for w in plan_for(RECIPE_8)[1].warnings if "prefetch" in w], "the shipped JSON prefetches a layer"
+    per_module = load_config(RECIPE_8, ["--zero3_leaf_modules", "[]"])
+    plan = planner.make_plan(per_module, planner.hardware_from(per_module), source, vocab_size=32_000)
+    assert plan.hooked_modules == 723 and not [w for w in plan.warnings if "prefetch" in w]

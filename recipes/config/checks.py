@@ -58,6 +58,8 @@ def validate_static(config: PretrainConfig) -> None:
         raise ConfigError("bf16 and fp16 are both true: choose one mixed-precision mode")
     if config.attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"attn_implementation {config.attn_implementation!r} is not one of {ATTN_IMPLEMENTATIONS}")
+    if config.attn_implementation == "torch_varlen" and not (config.bf16 or config.fp16):
+        raise ConfigError("attn_implementation torch_varlen runs in bf16 or fp16 only: set bf16: true (or fp16)")
     _validate_schedule(config)
     _validate_intervals(config)
     _validate_model_source(config)

@@ -9,6 +9,7 @@ allocated, so a 70B plan takes well under a second, and `recipes/pretrain.py` ru
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from eval.in_loop import SPLITS_REQUESTS_OVER_RANKS
 from recipes.architecture import (
     gathered_units,
     hooked_modules,
+    largest_leaf,
     llama_parameter_count,
     module_sizes,
     parameter_tensors,
@@ -294,31 +296,39 @@ def make_plan(
         hardware=asdict(hardware),
     )
     _judge(plan, config, hardware, target_tokens_per_s)
-    _leaf_warnings(plan, config, ds_config)
+    _leaf_warnings(plan, config, ds_config, shape)
     return plan
 
 
-def _leaf_warnings(plan: Plan, config: PretrainConfig, ds_config: dict[str, Any]) -> None:
+def _leaf_warnings(plan: Plan, config: PretrainConfig, ds_config: dict[str, Any], shape: dict[str, Any]) -> None:
     """What leaf modules ask of ZeRO-3's prefetch. DeepSpeed prefetches when a hooked module is fetched, up to
     `stage3_prefetch_bucket_size` elements and as long as fewer than `stage3_max_live_parameters` are gathered: with a
-    whole layer per fetch, both must hold a layer for the next one's gather to run during this one's compute."""
+    whole layer per fetch, both must hold a layer, and two, for the next one's gather to run during this one's compute
+    (the checkpointed chunk releases each layer before it fetches the next: recipes.training.model)."""
     unknown = unknown_leaf_classes(config.zero3_leaf_modules)
     if unknown:
         plan.warnings.append(f"zero3_leaf_modules {unknown}: not Llama classes the planner knows; it counts the "
                              "modules inside them one by one")  # fmt: skip
-    if not config.zero3_leaf_modules or plan.largest_layer_params == plan.params:
+    leaf = largest_leaf(shape, config.zero3_leaf_modules)
+    if leaf is None or leaf == plan.params:
         return
     zero = ds_config.get("zero_optimization", {})
     bucket = float(zero.get("stage3_prefetch_bucket_size", 5e7))
     live = float(zero.get("stage3_max_live_parameters", 1e9))
-    leaf = plan.largest_layer_params
     prefetched = max(0.0, min(bucket, live - leaf, leaf)) / leaf
     if prefetched < 1:
         plan.warnings.append(
             f"with leaf modules ZeRO-3 gathers {leaf / 1e6:,.0f}M parameters at once, but can prefetch only "
             f"{prefetched:.0%} of the next leaf (stage3_prefetch_bucket_size {bucket:.3g}, stage3_max_live_parameters "
-            f"{live:.3g}): set them to at least {leaf:.2g} and {2 * leaf:.2g} for its gather to overlap compute"
+            f"{live:.3g}): set them to at least {rounded_up(leaf):.2g} and {rounded_up(2 * leaf):.2g} for its gather "
+            "to overlap compute"
         )
+
+
+def rounded_up(count: float) -> float:
+    """`count` rounded up to two significant digits: advice that, taken, silences the warning that gives it."""
+    step = 10.0 ** (math.floor(math.log10(count)) - 1)
+    return math.ceil(count / step) * step
 
 
 def _judge(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens_per_s: float | None) -> None:

@@ -13,16 +13,20 @@ def gb_text(value: float) -> str:
 
 
 def parameters(count: float) -> str:
-    """68.98B, 8.92M, 0.86M: a parameter count as model cards write it."""
-    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
+    """68.98B, 8.92M, 0.26M, 4,000: a parameter count as model cards write it."""
+    if count >= 1e9:
+        return f"{count / 1e9:.2f}B"
+    return f"{count / 1e6:.2f}M" if count >= 1e4 else f"{count:,.0f}"
 
 
 def si(value: float) -> str:
-    """A count with three significant digits and an SI prefix: 68.98B is `69.0 G`, 8.92M `8.92 M`, 0.3 `0.3`."""
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}"
-    return f"{value:.3g}"
+    """A count with three significant digits and an SI prefix: 430e9 is `430 G`, 8.29e6 `8.29 M`, 999.7e9 `1 T`."""
+    prefixes = (("", 1.0), ("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12), ("P", 1e15))
+    for index, (prefix, scale) in enumerate(prefixes):
+        shown = float(f"{value / scale:.3g}")
+        if abs(shown) < 1000 or index == len(prefixes) - 1:
+            return f"{shown:g} {prefix}".rstrip()
+    raise AssertionError("unreachable")
 
 
 def format_total(seconds: float) -> str:

@@ -83,56 +83,59 @@ def enable_chunked_checkpointing(model: torch.nn.Module, layers_per_checkpoint: 
     """Recompute decoder layers in chunks of `layers_per_checkpoint`, storing one hidden state per chunk.
 
     transformers checkpoints every layer on its own; the SPEC asks for a checkpoint every 2 layers
-    (80 layers: 40 stored hidden states of 2048 x 8192 x 2 B = 34 MB per sequence each). The first
-    layer of a chunk runs the whole chunk under `torch.utils.checkpoint`, calling the other layers through their
-    module call, so that ZeRO-3's hooks on them (or on their submodules) gather their parameters and, for a leaf
-    layer, reduce its gradients after its backward. When the model's own loop then calls those layers, they pass the
-    hidden state through without any hook: nothing is gathered twice. Returns the number of checkpoints.
+    (80 layers: 40 stored hidden states of 2048 x 8192 x 2 B = 34 MB per sequence each). When the model's own loop
+    calls the first layer of a chunk, that call runs the whole chunk under `torch.utils.checkpoint`, each layer through
+    its module call, hooks included: ZeRO-3 gathers one layer's parameters (a leaf layer's, or its submodules') and
+    releases them before the next layer is gathered, and reduces a leaf layer's gradients after its own backward. The
+    loop's calls of the chunk's other layers then pass the hidden state through without any hook, so nothing is
+    gathered twice. Returns the number of checkpoints.
     """
     layers = model.model.layers
     chunks = [list(layers[i : i + layers_per_checkpoint]) for i in range(0, len(layers), layers_per_checkpoint)]
     for chunk in chunks:
         head, tail = chunk[0], chunk[1:]
-        head_forward_itself = type(head).forward.__get__(head)
-        tail_calls = []
+        head.chunk_calls = tuple(torch.nn.Module.__call__.__get__(layer) for layer in chunk)  # hooks, then forward
+        head.__class__ = _chunk_class(type(head), runs_chunk=True)
         for layer in tail:
-            hooked_call = torch.nn.Module.__call__.__get__(layer)  # hooks, then the layer's own forward
-            layer.__class__ = _chunk_tail_class(type(layer))
-            tail_calls.append(hooked_call)
-
-        def run_chunk(hidden_states, *args, _calls=(head_forward_itself, *tail_calls), **kwargs):
-            for call in _calls:
-                hidden_states = call(hidden_states, *args, **kwargs)
-            return hidden_states
-
-        def head_forward(hidden_states, *args, _run=run_chunk, _head=head, **kwargs):
-            if _head.training and torch.is_grad_enabled():
-                return checkpoint(_run, hidden_states, *args, use_reentrant=False, **kwargs)
-            return _run(hidden_states, *args, **kwargs)
-
-        head.forward = head_forward
+            layer.__class__ = _chunk_class(type(layer), runs_chunk=False)
     return len(chunks)
 
 
-_CHUNK_TAIL_CLASSES: dict[type, type] = {}
+def _run_chunk(calls, hidden_states, *args, **kwargs):
+    for call in calls:
+        hidden_states = call(hidden_states, *args, **kwargs)
+    return hidden_states
 
 
-def _chunk_tail_class(layer_class: type) -> type:
-    """`layer_class` whose call from outside its chunk returns the hidden state untouched, before any module hook
-    (its chunk's head already ran it). Same name and module, so class-name rules (leaf modules, export) still match;
-    a subclass, so isinstance holds."""
-    if layer_class not in _CHUNK_TAIL_CLASSES:
+def _checkpointed_chunk(self, hidden_states, *args, **kwargs):
+    """The call of a chunk's first layer: the chunk, recomputed in the backward when training."""
+    run = functools.partial(_run_chunk, self.chunk_calls)
+    if self.training and torch.is_grad_enabled():
+        return checkpoint(run, hidden_states, *args, use_reentrant=False, **kwargs)
+    return run(hidden_states, *args, **kwargs)
 
-        def __call__(self, hidden_states, *args, **kwargs):
-            return hidden_states
 
+def _passed_through(self, hidden_states, *args, **kwargs):
+    """The call of a chunk's other layers from the model's loop: their chunk's first layer ran them already."""
+    return hidden_states
+
+
+_CHUNK_CLASSES: dict[tuple[type, bool], type] = {}
+
+
+def _chunk_class(layer_class: type, runs_chunk: bool) -> type:
+    """`layer_class` whose call (from the model's loop) runs its chunk, or passes through, before any module hook.
+    Same name and module, so class-name rules (leaf modules, export) still match; a subclass, so isinstance holds.
+    (Such a model cannot be pickled whole; nothing here does, and its state_dict is the same.)"""
+    key = (layer_class, runs_chunk)
+    if key not in _CHUNK_CLASSES:
         namespace = {
-            "__call__": __call__,
+            "__call__": _checkpointed_chunk if runs_chunk else _passed_through,
             "__module__": layer_class.__module__,
             "__qualname__": layer_class.__qualname__,
         }
-        _CHUNK_TAIL_CLASSES[layer_class] = type(layer_class.__name__, (layer_class,), namespace)
-    return _CHUNK_TAIL_CLASSES[layer_class]
+        _CHUNK_CLASSES[key] = type(layer_class.__name__, (layer_class,), namespace)
+    return _CHUNK_CLASSES[key]
 
 
 def module_class_names(model_config) -> set[str]:
@@ -140,7 +143,10 @@ def module_class_names(model_config) -> set[str]:
     with one decoder layer on the meta device (no memory; well under a second at any size)."""
     small = copy.deepcopy(model_config)
     small.num_hidden_layers = 1
-    model_class = AutoModelForCausalLM._model_mapping[type(small)]
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(small)]
+    except KeyError:
+        raise ConfigError(f"{type(small).__name__} has no causal language model class in transformers") from None
     with torch.device("meta"):  # the class itself: from_config would partition it under an active ZeRO-3 config
         model = model_class(small)
     return {name for module in model.modules() for name in (type(module).__name__, _qualified(type(module)))}

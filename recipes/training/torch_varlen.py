@@ -15,7 +15,7 @@ NAME = "torch_varlen"
 
 
 def available() -> tuple[bool, str]:
-    """Whether this torch has the kernel and a CUDA device to run it on, and if not, why."""
+    """Whether this torch has the kernel and a GPU that runs it (flash attention: Ampere or newer), and if not, why."""
     import torch
 
     try:
@@ -24,7 +24,15 @@ def available() -> tuple[bool, str]:
         return False, f"torch {torch.__version__} has no torch.nn.attention.varlen"
     if not torch.cuda.is_available():
         return False, "torch's varlen_attn runs on CUDA only"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return False, f"torch's varlen_attn needs an Ampere or newer GPU, not {torch.cuda.get_device_name()}"
     return True, f"torch {torch.__version__} varlen_attn"
+
+
+def branch(attention_mask, query_length: int, key_length: int, cu_seq_lens_q) -> str:
+    """`varlen` (the kernel: packed documents, or whole rows) or `sdpa` (padding, or a cached decoding step)."""
+    whole_rows = attention_mask is None and key_length == query_length
+    return "varlen" if cu_seq_lens_q is not None or whole_rows else "sdpa"
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, cu_seq_lens_q=None,
@@ -33,10 +41,11 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, seq, dim = query.shape
-    whole_rows = attention_mask is None and key.shape[2] == seq
-    if cu_seq_lens_q is None and not whole_rows:  # padding or a cache: the masked path
+    if branch(attention_mask, seq, key.shape[2], cu_seq_lens_q) == "sdpa":
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)  # fmt: skip
+    if dropout:
+        raise NotImplementedError(f"attn_implementation torch_varlen has no attention dropout (got {dropout})")
     import torch
     from torch.nn.attention.varlen import varlen_attn
 
@@ -56,13 +65,15 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     return output.reshape(batch, seq, heads, dim), None
 
 
-def varlen_mask(*args, attention_mask=None, **kwargs):
-    """No mask for whole rows (the kernel masks by sequence lengths); sdpa's for padded ones."""
-    if attention_mask is None:
+def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                attention_mask=None, **kwargs):  # fmt: skip
+    """No mask where the kernel runs (whole rows of queries over their own keys: it masks by sequence lengths); sdpa's
+    elsewhere (padding, or queries over a cache)."""
+    if attention_mask is None and q_length == kv_length and not q_offset and not kv_offset:
         return None
     from transformers.masking_utils import sdpa_mask
 
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **kwargs)
 
 
 def register() -> None:
