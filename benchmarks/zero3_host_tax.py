@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.step_overhead import print_json
 from common.process import with_repo_on_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,17 +101,11 @@ def engine(args, accelerate_config: Path, leaves: str, loop: str) -> dict:
     """One launch of `benchmarks.step_overhead` on the engine with the given leaves; its summary."""
     from benchmarks import step_overhead
 
-    saved = dict(os.environ)
-    os.environ.update(one_thread_env())
-    try:
-        return step_overhead.run([
-            "--config", str(REPO / "recipes/configs/tiny_cpu.yaml"), "--accelerate-config", str(accelerate_config),
-            "--steps", str(args.steps), "--repeats", "1", "--warmup-steps", "1", "--loops", loop,
-            "--vocab-size", str(args.vocab_size), *shape_overrides(args), "--zero3_leaf_modules", leaves,
-        ])  # fmt: skip
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return step_overhead.run([
+        "--config", str(REPO / "recipes/configs/tiny_cpu.yaml"), "--accelerate-config", str(accelerate_config),
+        "--steps", str(args.steps), "--repeats", "1", "--warmup-steps", "1", "--loops", loop,
+        "--vocab-size", str(args.vocab_size), *shape_overrides(args), "--zero3_leaf_modules", leaves,
+    ], env=one_thread_env())  # fmt: skip
 
 
 def measure(args) -> dict:
@@ -209,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(error, file=sys.stderr)
         return 1
     print(render(result))
-    if args.json_output:
-        Path(args.json_output).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result))
+    print_json(result, args.json_output)
     return 0
 
 

@@ -24,10 +24,7 @@ def module_sizes(shape: dict[str, Any]) -> list[tuple[int, int]]:
     """(how many, parameters each) of every module with weights in a Llama without biases: the embeddings (and the
     untied output head), per layer q and o, k and v, gate, up and down, two RMSNorms, and the final norm. Each holds one
     weight tensor. What ZeRO-3 partitions, and gathers module by module without leaf modules."""
-    layers = shape["num_hidden_layers"]
-    embeddings = [(1 if shape.get("tie_word_embeddings") else 2, shape["vocab_size"] * shape["hidden_size"])]
-    per_layer = [entry for entries in _per_layer(shape).values() for entry in entries]
-    return [*embeddings, *((count * layers, size) for count, size in per_layer), (1, shape["hidden_size"])]
+    return [(count, size) for count, size, _ in _units(shape, ())]
 
 
 # The Llama classes `zero3_leaf_modules` may name that change what ZeRO-3 gathers at once (a leaf RMSNorm, Embedding or
@@ -36,34 +33,44 @@ WHOLE_MODEL_CLASSES = ("LlamaForCausalLM", "LlamaModel")
 GROUPING_CLASSES = ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP")
 
 
+def _units(shape: dict[str, Any], leaves: Sequence[str]) -> list[tuple[int, int, bool]]:
+    """(how many, parameters each, whether a leaf class groups it) of what ZeRO-3 gathers as one."""
+    names = {name.rsplit(".", 1)[-1] for name in leaves}
+    layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
+    heads = 1 if shape.get("tie_word_embeddings") else 2  # input embeddings, and the untied output head
+    embedding = shape["vocab_size"] * hidden
+    groups = _per_layer(shape)
+    if "LlamaDecoderLayer" in names:
+        per_layer = [(1, sum(count * size for entries in groups.values() for count, size in entries), True)]
+    else:
+        per_layer = []
+        for cls, entries in groups.items():
+            if cls in names and cls in GROUPING_CLASSES:
+                per_layer.append((1, sum(count * size for count, size in entries), True))
+            else:
+                per_layer += [(count, size, False) for count, size in entries]
+    units = [(heads, embedding, False), *((count * layers, size, grouped) for count, size, grouped in per_layer),
+             (1, hidden, False)]  # fmt: skip
+    params = sum(count * size for count, size, _ in units)
+    if "LlamaForCausalLM" in names:
+        return [(1, params, True)]
+    if "LlamaModel" in names:  # the output head lies outside it, hooked on its own
+        head = (heads - 1) * embedding
+        return [(1, params - head, True), *([(1, head, False)] if head else [])]
+    return units
+
+
 def gathered_units(shape: dict[str, Any], leaves: Sequence[str] = ()) -> list[tuple[int, int]]:
     """(how many, parameters each) of what ZeRO-3 fetches and releases as one, each with its own hooks: every module
     with weights, except that a leaf class (`zero3_leaf_modules`, short or fully qualified names) is one unit with
     everything inside it. Classes this Llama arithmetic does not know are counted module by module."""
-    names = {name.rsplit(".", 1)[-1] for name in leaves}
-    params = sum(count * size for count, size in module_sizes(shape))
-    head = 0 if shape.get("tie_word_embeddings") else shape["vocab_size"] * shape["hidden_size"]
-    if "LlamaForCausalLM" in names:
-        return [(1, params)]
-    if "LlamaModel" in names:  # the output head lies outside it, hooked on its own
-        return [(1, params - head), *([(1, head)] if head else [])]
-    layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
-    embeddings = [(1 if shape.get("tie_word_embeddings") else 2, shape["vocab_size"] * hidden)]
-    groups = _per_layer(shape)
-    if "LlamaDecoderLayer" in names:
-        per_layer = [(1, sum(count * size for entries in groups.values() for count, size in entries))]
-    else:
-        per_layer = []
-        for cls, entries in groups.items():
-            grouped = cls in names and cls in GROUPING_CLASSES
-            per_layer += [(1, sum(count * size for count, size in entries))] if grouped else entries
-    return [*embeddings, *((count * layers, size) for count, size in per_layer), (1, hidden)]
+    return [(count, size) for count, size, _ in _units(shape, leaves)]
 
 
 def largest_leaf(shape: dict[str, Any], leaves: Sequence[str] = ()) -> int | None:
     """Parameters of the largest unit a leaf class gathers at once (a decoder layer, an attention or MLP block, the
     model); None when no leaf groups modules."""
-    grouped = {size for _, size in gathered_units(shape, leaves)} - {size for _, size in module_sizes(shape)}
+    grouped = [size for _, size, by_leaf in _units(shape, leaves) if by_leaf]
     return max(grouped) if grouped else None
 
 

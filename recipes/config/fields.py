@@ -178,7 +178,7 @@ class PretrainConfig:
     )
     attn_implementation: str = field(
         default="flash_attention_2",
-        metadata={"help": "Requested attention; falls back to sdpa where flash-attn or CUDA is missing, and says so."},
+        metadata={"help": "Requested attention; falls back to sdpa where its kernel or CUDA is missing, and says so."},
     )
     gradient_checkpointing: bool = field(
         default=True, metadata={"help": "Recompute activations in the backward pass instead of storing them."}

@@ -36,10 +36,14 @@ class Hardware:
         return self.gpus // self.nodes
 
     @property
-    def devices(self) -> str:
-        """What the plan calls its ranks: GPUs where it knows a GPU (its memory or a profile), else processes (a CPU
+    def device(self) -> str:
+        """What the plan calls a rank: a GPU where it knows one (its memory or a profile), else a process (a CPU
         rehearsal, whose `hardware.gpu_memory_gb` is null)."""
-        return "GPUs" if self.gpu_memory_gb is not None or self.profile else "processes"
+        return "GPU" if self.gpu_memory_gb is not None or self.profile else "process"
+
+    @property
+    def devices(self) -> str:
+        return "GPUs" if self.device == "GPU" else "processes"
 
     def step_model(self):
         """The profile's wires with this hardware's overrides; None without a profile."""

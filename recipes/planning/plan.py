@@ -293,7 +293,7 @@ def make_plan(
         eval_batch_fits=eval_rows_that_fit(config, shape, memory, hardware.gpu_memory_gb),
         fits=True,
         warnings=warnings,
-        hardware=asdict(hardware),
+        hardware={**asdict(hardware), "device": hardware.device, "devices": hardware.devices},
     )
     _judge(plan, config, hardware, target_tokens_per_s)
     _leaf_warnings(plan, config, ds_config, shape)
@@ -357,7 +357,7 @@ def _memory_verdicts(plan: Plan, hardware: Hardware) -> None:
         )
     if plan.fits:
         plan.verdicts.append(
-            f"fits: {gb_text(memory['total'])} per {'GPU' if hardware.devices == 'GPUs' else 'process'}"
+            f"fits: {gb_text(memory['total'])} per {hardware.device}"
             + (f" of {gb_text(hardware.gpu_memory_gb)}" if hardware.gpu_memory_gb else "")
             + f", {gb_text(plan.host_memory_per_node_gb)} host memory per node"
             + (f" of {gb_text(hardware.host_memory_gb)}" if hardware.host_memory_gb else "")

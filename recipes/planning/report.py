@@ -17,7 +17,7 @@ from recipes.planning.units import format_duration, format_total, gb_text, param
 
 def format_plan(plan: Plan, config: PretrainConfig) -> str:
     h = plan.hardware
-    devices = "GPUs" if h["gpu_memory_gb"] is not None or h["profile"] else "processes"
+    devices, device = h["devices"], h["device"]
     lines = [
         f"plan for a {plan.num_layers}-layer Llama, {parameters(plan.params)} parameters, on {h['gpus']} {devices} / "
         f"{h['nodes']} node(s)",
@@ -31,14 +31,13 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
         lines += format_breakdown(plan)
     if plan.peak_tokens_per_s:
         at = f"{h['mfu']:.0%} MFU (--mfu)" if h["mfu"] is not None else f"the modelled {plan.predicted_mfu:.1%} MFU"
-        per_device = devices[:-1] if devices == "GPUs" else "process"
         lines += [
             f"  tokens/s: ceiling {plan.peak_tokens_per_s:,.0f} at 100% MFU; expected "
-            f"{plan.expected_tokens_per_s:,.0f} at {at} ({plan.expected_tokens_per_s / h['gpus']:,.0f}/{per_device})",
+            f"{plan.expected_tokens_per_s:,.0f} at {at} ({plan.expected_tokens_per_s / h['gpus']:,.0f}/{device})",
             f"  step time: {plan.step_time_s:.1f} s; total: {format_total(plan.expected_days * 86_400)}, "
-            f"{si(plan.gpu_hours)} {per_device}-hours",
+            f"{si(plan.gpu_hours)} {device}-hours",
         ]
-    lines.append(f"  memory per {devices[:-1] if devices == 'GPUs' else 'process, as on a GPU'} (GB):")
+    lines.append(f"  memory per {device if device == 'GPU' else 'process, as on a GPU'} (GB):")
     lines += [f"    {name:28s} {value:8.2f}" for name, value in plan.per_gpu_memory_gb.items()]
     lines.append(f"    (DeepSpeed model states: {plan.model_states_gpu_gb:.2f})")
     lines.append(f"  host memory per node: {gb_text(plan.host_memory_per_node_gb)}")

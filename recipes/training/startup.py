@@ -220,7 +220,7 @@ def checked_model_config(config: PretrainConfig, tokenizer):
 
 def fit_eval_batch(config: PretrainConfig, fits: int | None, world_size: int) -> bool:
     """An elastic run on fewer GPUs holds a larger shard of the model in each: its evaluation batch becomes what the
-    plan says fits (the 16-GPU recipe's 32 rows are 27 on 8 GPUs). Returns whether it changed."""
+    plan says fits (the 16-GPU recipe's 32 rows are 23 on 8 GPUs). Returns whether it changed."""
     if fits is None or not 0 < fits < config.per_device_eval_batch_size:
         return False
     logger.warning("elastic: per_device_eval_batch_size %d -> %d, what fits on %d processes",
