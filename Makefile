@@ -44,7 +44,7 @@ demo: install
 	$(BIN)/python -m data_prep.preprocess --tokenizer $(DEMO)/tokenizer --input $(DEMO)/data/train.jsonl \
 		--output $(DEMO)/packed --seq-len 128 --num-workers 2 --dedup \
 		--decontaminate-mmlu-dir $(DEMO)/eval_data/mmlu_release --decontaminate-gsm8k-dir $(DEMO)/eval_data/gsm8k_release
-	$(BIN)/accelerate launch --config_file accelerate_configs/zero3_cpu.yaml recipes/pretrain.py \
+	$(BIN)/python -m recipes.launch --config_file accelerate_configs/zero3_cpu.yaml recipes/pretrain.py \
 		--config recipes/configs/tiny_cpu.yaml --output_dir $(DEMO)/run --bf16 $(DEMO_BF16)
 	$(BIN)/python -m recipes.summarize $(DEMO)/run
 

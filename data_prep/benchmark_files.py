@@ -206,15 +206,22 @@ HUB_MMLU_DEV_ROWS = 5
 HUB_GSM8K_TRAIN_ROWS = 7473
 
 
-def mmlu_dev_rows(directory: str | Path) -> dict[str, int]:
-    """Every subject loads (BenchmarkDataError names the problem); the rows of each subject's few-shot split."""
+def mmlu_split_rows(directory: str | Path) -> dict[str, dict[str, int]]:
+    """Every subject loads (BenchmarkDataError names the problem); each subject's rows per split (test: scored, dev:
+    the few-shot examples)."""
     _, subjects = mmlu_layout(directory)
-    return {subject: len(load_mmlu_subject(directory, subject)["dev"]) for subject in subjects}
+    return {subject: {split: len(rows) for split, rows in load_mmlu_subject(directory, subject).items()}
+            for subject in subjects}  # fmt: skip
+
+
+def mmlu_dev_rows(directory: str | Path) -> dict[str, int]:
+    """The rows of each subject's few-shot split (every subject loads)."""
+    return {subject: rows["dev"] for subject, rows in mmlu_split_rows(directory).items()}
 
 
 def check_mmlu(directory: str | Path) -> list[str]:
     """Every subject loads; returns the subjects. Raises BenchmarkDataError naming the problem."""
-    return list(mmlu_dev_rows(directory))
+    return list(mmlu_split_rows(directory))
 
 
 def gsm8k_split_rows(directory: str | Path) -> dict[str, int]:

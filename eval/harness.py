@@ -12,6 +12,7 @@ With no local directory, lm-eval's stock hub tasks (`mmlu`, `gsm8k`) are used, w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -43,10 +44,12 @@ class BenchmarkSettings:
     max_gen_toks: int | None = None  # GSM8K answer budget; None keeps lm-eval's (256)
     log_samples: bool = False  # every document's prompt, answers and scores in the results (`samples`)
 
-    def check(self, names: dict[str, str] | None = None) -> None:
+    def check(self, names: dict[str, str] | None = None, ranks: int = 1) -> None:
         """Before any expensive work: known task names, numbers that can work, and local data that loads with a
-        few-shot split large enough. `names` maps the fields to what the user set (eval.run's flags by default)."""
-        from data_prep.benchmark_files import HUB_GSM8K_TRAIN_ROWS, HUB_MMLU_DEV_ROWS, gsm8k_split_rows, mmlu_dev_rows
+        few-shot split large enough. `names` maps the fields to what the user set (eval.run's flags by default).
+        Split over `ranks` (in the loop), every task needs a document for every rank: lm-eval's gather of a task's
+        scores waits forever for a rank that scored none of it."""
+        from data_prep.benchmark_files import HUB_GSM8K_TRAIN_ROWS, HUB_MMLU_DEV_ROWS, gsm8k_split_rows, mmlu_split_rows
 
         names = {**FLAG_NAMES, **(names or {})}
         unknown = [task for task in self.tasks if task not in SUPPORTED_TASKS]
@@ -59,13 +62,27 @@ class BenchmarkSettings:
                 raise ValueError(f"{names[key]} {value}: must be at least {low}" + (" or unset" if key in (
                     "limit", "max_gen_toks") else ""))  # fmt: skip
         pools = {}  # the smallest few-shot split of each task, and where it is
+        scored = {}  # documents each local task scores
         if "mmlu" in self.tasks:
-            rows = mmlu_dev_rows(self.mmlu_dir) if self.mmlu_dir else {"every subject": HUB_MMLU_DEV_ROWS}
+            splits = mmlu_split_rows(self.mmlu_dir) if self.mmlu_dir else {}
+            rows = {s: r["dev"] for s, r in splits.items()} or {"every subject": HUB_MMLU_DEV_ROWS}
             smallest = min(rows, key=rows.get)
             pools["mmlu"] = (rows[smallest], f"MMLU's dev split has {rows[smallest]} rows for {smallest}")
+            scored |= {f"MMLU subject {s} ({self.mmlu_dir})": r["test"] for s, r in splits.items()}
         if "gsm8k" in self.tasks:
-            rows = gsm8k_split_rows(self.gsm8k_dir)["train"] if self.gsm8k_dir else HUB_GSM8K_TRAIN_ROWS
-            pools["gsm8k"] = (rows, f"GSM8K's train split (its few-shot examples) has {rows} rows")
+            splits = gsm8k_split_rows(self.gsm8k_dir) if self.gsm8k_dir else {"train": HUB_GSM8K_TRAIN_ROWS}
+            train = splits["train"]
+            pools["gsm8k"] = (train, f"GSM8K's train split (its few-shot examples) has {train} rows")
+            if "test" in splits:
+                scored[f"GSM8K ({self.gsm8k_dir})"] = splits["test"]
+        for task, documents in scored.items():
+            documents = min(documents, self.limit or documents)
+            if documents < ranks:
+                raise ValueError(
+                    f"{task} scores {documents} document(s) but the benchmarks are split over {ranks} processes: "
+                    f"lm-eval waits forever for a process that has none. Give every task at least {ranks} test "
+                    f"documents (and {names['limit']} >= {ranks}), or leave the subject out"
+                )
         for pool, where in pools.values():
             if self.num_fewshot > pool:
                 raise ValueError(f"{names['num_fewshot']} {self.num_fewshot}: {where}, so at most {pool} examples "
@@ -75,6 +92,46 @@ class BenchmarkSettings:
         """What the local tasks' loaders read (lm-eval's `--metadata`); `raise_errors`: exceptions, not an exit."""
         given = {key: value for key, value in (("mmlu_dir", self.mmlu_dir), ("gsm8k_dir", self.gsm8k_dir)) if value}
         return {**given, "raise_errors": True} if given else given
+
+
+@dataclass
+class PromptLengths:
+    """Benchmark prompts against the model's positions: lm-eval cuts a longer one from the left, without failing, so
+    the score is then on a prompt the model never saw whole. A scoring prompt (MMLU's) may hold `max_length` + 1
+    tokens (the last is predicted, not fed); a generation's context leaves room for its `max_gen_toks`."""
+
+    max_length: int
+    prompts: int = 0
+    truncated: int = 0
+    longest_tokens: int = 0  # of any prompt, counted as lm-eval's HF model counts it
+    most_over: int = 0  # the most tokens any prompt holds beyond what it may: positions to add so none is cut
+
+    def add(self, tokens: int, allowed: int) -> None:
+        self.prompts += 1
+        self.truncated += tokens > allowed
+        self.longest_tokens = max(self.longest_tokens, tokens)
+        self.most_over = max(self.most_over, tokens - allowed)
+
+    def summed_over_ranks(self, device) -> PromptLengths:
+        """Every rank's counts together (a collective: every rank calls it)."""
+        import torch
+        import torch.distributed as dist
+
+        counts = torch.tensor([self.prompts, self.truncated], dtype=torch.int64, device=device)
+        largest = torch.tensor([self.longest_tokens, self.most_over], dtype=torch.int64, device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return PromptLengths(self.max_length, *(int(value) for value in (*counts, *largest)))
+
+    def warning(self, where: str) -> str | None:
+        """The line that says prompts were cut (None: none was)."""
+        if not self.truncated:
+            return None
+        return (
+            f"{where}: {self.truncated:,} of {self.prompts:,} benchmark prompts are longer than the model's "
+            f"{self.max_length:,} positions (max_position_embeddings; the longest holds {self.longest_tokens:,} "
+            "tokens), and lm-eval cuts them from the left: their scores are on prompts the model never sees whole"
+        )
 
 
 def task_names(settings: BenchmarkSettings) -> list[str]:
@@ -152,10 +209,57 @@ def evaluate(
             bootstrap_iters=1000,
             verbosity="ERROR",
         )
+    lengths = lm.prompt_lengths.summed_over_ranks(lm.device) if world_size > 1 else lm.prompt_lengths
     if results is None:  # lm-eval returns the results on rank 0 only
         return None
     results["timings"] = {**lm.timings, "dummy_forwards": getattr(lm, "dummy_forwards", 0)}
+    results["prompt_lengths"] = dataclasses.asdict(lengths)
     return jsonable(results)
+
+
+def measure_prompts(settings: BenchmarkSettings, tokenizer, max_length: int) -> PromptLengths:
+    """The configured tasks' prompts, exactly as an evaluation builds them (lm-eval's own request building, through
+    a stand-in model that only counts tokens), against `max_length` positions. No model, a few seconds; the whole
+    of MMLU and GSM8K take about a minute on one core."""
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    lengths = PromptLengths(max_length)
+
+    def token_counts(texts: list[str]) -> dict[str, int]:
+        unique = sorted(set(texts))
+        encoded = tokenizer(unique, add_special_tokens=False)["input_ids"] if unique else []
+        return {text: len(ids) for text, ids in zip(unique, encoded, strict=True)}
+
+    class CountingLM(LM):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            # MMLU's four answers share one context: each whole prompt is counted once per request, as scored
+            counts = token_counts([context + continuation for context, continuation in (r.args for r in requests)])
+            for request in requests:
+                lengths.add(counts[request.args[0] + request.args[1]], max_length + 1)
+            return [(0.0, False)] * len(requests)
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            counts = token_counts([request.args[0] for request in requests])
+            for request in requests:
+                context, gen_kwargs = request.args
+                budget = normalize_gen_kwargs(dict(gen_kwargs), 256)["max_gen_toks"]  # 256: HFLM's default
+                lengths.add(counts[context], max_length - budget)
+            return [""] * len(requests)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError("no configured benchmark scores whole documents")
+
+    gen_kwargs = {"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks is not None else None
+    names = task_names(settings)
+    hub = any(not name.endswith("_local") and not name.startswith("mmlu_local") for name in names)
+    lm_eval.simple_evaluate(
+        model=CountingLM(), tasks=names, num_fewshot=settings.num_fewshot, limit=settings.limit,
+        gen_kwargs=gen_kwargs, task_manager=task_manager(tuple(sorted(settings.metadata().items())), hub),
+        bootstrap_iters=0, verbosity="ERROR",
+    )  # fmt: skip
+    return lengths
 
 
 @functools.cache
@@ -171,6 +275,12 @@ def timed_lm_class():
             super().__init__(*args, **kwargs)
             self.timings = {"loglikelihood_s": 0.0, "loglikelihood_requests": 0, "generate_until_s": 0.0,
                             "generate_until_requests": 0}  # fmt: skip
+            self.prompt_lengths = PromptLengths(self.max_length)
+
+        def _loglikelihood_tokens(self, requests, *args, **kwargs):
+            for _, context, continuation in requests:  # what HFLM cuts: beyond max_length + 1 tokens
+                self.prompt_lengths.add(len(context) + len(continuation), self.max_length + 1)
+            return super()._loglikelihood_tokens(requests, *args, **kwargs)
 
         def _timed(self, kind: str, method, requests, **kwargs):
             started = time.perf_counter()
@@ -184,6 +294,12 @@ def timed_lm_class():
             return self._timed("loglikelihood", super().loglikelihood, requests, **kwargs)
 
         def generate_until(self, requests, **kwargs):
+            from lm_eval.models.utils import normalize_gen_kwargs
+
+            for request in requests:  # what HFLM cuts: a context beyond max_length - max_gen_toks
+                context, gen_kwargs = request.args
+                budget = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)["max_gen_toks"]
+                self.prompt_lengths.add(len(self.tok_encode(context)), self.max_length - budget)
             return self._timed("generate_until", super().generate_until, requests, **kwargs)
 
     return TimedHFLM

@@ -19,7 +19,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eval.harness import BenchmarkSettings, evaluate, format_table, headline_scores, write_results, write_samples
+from eval.harness import (
+    BenchmarkSettings,
+    PromptLengths,
+    evaluate,
+    format_table,
+    headline_scores,
+    write_results,
+    write_samples,
+)
 
 logger = logging.getLogger("eval")
 # Each rank scores 1/world of the documents; the planner prices evaluation by this (recipes.planning.eval_cost).
@@ -89,7 +97,11 @@ def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, s
     scores = [None]
     if accelerator.is_main_process:
         documents = sum(n["effective"] for n in results["n-samples"].values())
-        scores = [{**headline_scores(results), **benchmark_timings(results, seconds)}]
+        lengths = PromptLengths(**results["prompt_lengths"])
+        scores = [{**headline_scores(results), **benchmark_timings(results, seconds),
+                   "benchmark_truncated_prompts": lengths.truncated}]  # fmt: skip
+        if lengths.warning(f"step {step}"):
+            logger.warning("%s", lengths.warning(f"step {step}"))
         samples = results.pop("samples", None)
         write_results(results, output_dir / "eval" / f"step-{step}.json")
         if samples is not None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from data_prep.benchmark_files import BenchmarkDataError
 from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
-from eval.harness import BenchmarkSettings, evaluate, format_table, write_results
+from eval.harness import BenchmarkSettings, PromptLengths, evaluate, format_table, write_results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results))
     samples = sum(n["effective"] for n in results["n-samples"].values())
     print(f"{samples} documents in {seconds:.1f} s ({seconds / max(samples, 1):.2f} s per document); {args.output}")
+    truncated = PromptLengths(**results["prompt_lengths"]).warning(f"warning: {args.model}")
+    if truncated:
+        print(truncated, file=sys.stderr)
     return 0
 
 

@@ -7,9 +7,17 @@ Builds the recipe's model (any depth with `--num-layers`: attention is the same 
 of `per_device_train_batch_size` rows of `max_seq_length` tokens, packed from random documents the way training
 packs them (`data_prep.packing`), with the model inputs training gives it (`recipes.training.attention`). Runs it,
 runs every document alone, and prints one JSON line: `attn_implementation`, `micro_batch`, `document_masking`,
-`path` (`varlen`, `block_mask` or `none`: the branch transformers took), `kernel`, `max_abs_diff` between the packed
-logits and each document's own, and `ok` (the difference within `tolerance`). Exit code 0 when ok, 1 when not,
-2 for bad input.
+`checks`, `path` (`varlen`, `block_mask` or `none`: the branch transformers took), `kernel`, `max_abs_diff` between
+the packed logits and each document's own, and `ok`. With `document_masking: true` the check is that documents are
+kept apart (the difference within `tolerance`); with it false, that they do see each other (the difference above it,
+as the recipe then trains), and a line on stderr says that nothing is masked. Exit code 0 when ok, 1 when not, 2 for
+bad input. Progress goes to stderr.
+
+On a CPU, a model wider than 1024 is checked *narrowed* (`width` in the JSON): the same head size, query heads per
+key-value head, rows, sequence length, attention implementation and inputs, with fewer heads (so a 70B layer's 64
+query and 8 key-value heads become 8 and 1) and the MLP shrunk alike. Documents can meet only in attention, which
+works per head, so the verdict is the full model's; the 70B check then takes seconds instead of an hour on two cores.
+`--full-width` checks the recipe's own width (the default on a GPU).
 
 `flash_attention_2` needs flash-attn and a GPU. Without them the model runs through transformers' own flash-attention
 entry points (`flash_attention_forward`, `_flash_attention_forward`, which choose the branch) with a reference
@@ -32,6 +40,7 @@ if __package__ in (None, ""):
 
 from recipes.config import ConfigError, load_config
 
+NARROW_HIDDEN = 1024  # on a CPU, wider models are checked with fewer heads (see the module docstring)
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # bf16 logits of one kernel over two shapes differ in the 2nd digit
 MAX_PARAMETERS = 3e9  # beyond this, shrink with --num-layers: the check needs the whole model on one device
 PROBE_NAME = "recipe_varlen_probe"  # a name with "flash" in it would make transformers look for flash-attn
@@ -161,10 +170,27 @@ def recording_torch_varlen_branches(taken: list[str]):
         torch_varlen.branch = original
 
 
+def narrow(model_config) -> str:
+    """Narrow `model_config` in place to one key-value head (see the module docstring); returns what the JSON says."""
+    heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    per_kv = heads // kv_heads
+    if per_kv * head_dim >= model_config.hidden_size:
+        return "full"
+    said = (f"narrowed: {per_kv} of {heads} query heads and 1 of {kv_heads} key-value heads, head size {head_dim}, "
+            f"hidden {per_kv * head_dim} of {model_config.hidden_size}")  # fmt: skip
+    scale = per_kv * head_dim / model_config.hidden_size
+    model_config.head_dim = head_dim
+    model_config.num_attention_heads, model_config.num_key_value_heads = per_kv, 1
+    model_config.hidden_size = per_kv * head_dim
+    model_config.intermediate_size = max(1, round(model_config.intermediate_size * scale))
+    return said
+
+
 def build_model(config, *, device: str, dtype_name: str, num_layers: int | None, vocab_size: int | None,
-                seed: int) -> tuple[Any, bool, str]:  # fmt: skip
-    """(model, whether flash-attn's own kernels run, kernel name). `flash_attention_2` without flash-attn is built
-    under the probe's name: transformers' flash-attention code with reference kernels."""
+                seed: int, full_width: bool = False) -> tuple[Any, bool, str, str]:  # fmt: skip
+    """(model, whether flash-attn's own kernels run, kernel name, width). `flash_attention_2` without flash-attn is
+    built under the probe's name: transformers' flash-attention code with reference kernels."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -174,6 +200,9 @@ def build_model(config, *, device: str, dtype_name: str, num_layers: int | None,
     model_config = llama_config(config, vocab_size or _tokenizer_facts(config)[1])
     if num_layers:
         model_config.num_hidden_layers = num_layers
+    width = "full"
+    if device == "cpu" and not full_width and model_config.hidden_size > NARROW_HIDDEN:
+        width = narrow(model_config)
     params, _ = llama_parameter_count(**model_config.to_dict())
     if params > MAX_PARAMETERS:
         raise ConfigError(
@@ -192,38 +221,49 @@ def build_model(config, *, device: str, dtype_name: str, num_layers: int | None,
         build_as, kernel = requested, "torch varlen_attn"
     else:
         build_as, kernel = requested, "flash-attn" if real_flash else requested
+    progress(f"building the model: {model_config.num_hidden_layers} layer(s), {params / 1e6:,.0f}M parameters "
+             f"({width}), {kernel} kernels, on {device}")  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
         model_config, attn_implementation=build_as, dtype=getattr(torch, dtype_name)
     )
-    return model.to(device).eval(), real_flash, kernel
+    return model.to(device).eval(), real_flash, kernel, width
+
+
+def progress(line: str) -> None:
+    print(f"attention_check: {line}", file=sys.stderr, flush=True)
 
 
 def packed_against_alone(model, batch, inputs: dict[str, Any], eos_id: int) -> tuple[float, int]:
     """(largest |packed logit - alone logit|, documents compared)."""
     import torch
 
+    spans = [(row_index, span) for row_index, row in enumerate(batch) for span in document_spans(row, eos_id)]
     with torch.no_grad():
+        progress(f"the packed batch: {batch.shape[0]} row(s) of {batch.shape[1]} tokens, {len(spans)} documents")
         packed_logits = model(input_ids=batch, **inputs).logits.float()
-        max_abs_diff, documents = 0.0, 0
-        for row_index, row in enumerate(batch):
-            for start, end in document_spans(row, eos_id):
-                alone = model(input_ids=row[start:end][None]).logits.float()[0]
-                difference = (packed_logits[row_index, start:end] - alone).abs().max().item()
-                max_abs_diff, documents = max(max_abs_diff, difference), documents + 1
-    return max_abs_diff, documents
+        max_abs_diff = 0.0
+        for done, (row_index, (start, end)) in enumerate(spans, 1):
+            alone = model(input_ids=batch[row_index, start:end][None]).logits.float()[0]
+            difference = (packed_logits[row_index, start:end] - alone).abs().max().item()
+            max_abs_diff = max(max_abs_diff, difference)
+            if done % 10 == 0 or done == len(spans):
+                progress(f"{done} of {len(spans)} documents alone")
+    return max_abs_diff, len(spans)
 
 
 def run_check(config, *, device: str, dtype_name: str, num_layers: int | None = None, vocab_size: int | None = None,
-              seed: int = 0) -> dict[str, Any]:  # fmt: skip
+              seed: int = 0, full_width: bool = False) -> dict[str, Any]:  # fmt: skip
     """The JSON object the CLI prints."""
     from transformers.masking_utils import find_packed_sequence_indices
 
     from recipes.training.attention import DocumentMasking
 
     requested, eos_id = config.attn_implementation, _tokenizer_facts(config)[0]
-    model, real_flash, kernel = build_model(config, device=device, dtype_name=dtype_name, num_layers=num_layers,
-                                            vocab_size=vocab_size, seed=seed)  # fmt: skip
+    model, real_flash, kernel, width = build_model(
+        config, device=device, dtype_name=dtype_name, num_layers=num_layers, vocab_size=vocab_size, seed=seed,
+        full_width=full_width,
+    )  # fmt: skip
     masking = DocumentMasking.of(config.document_masking, eos_id, requested)
     rows, seq_len = config.per_device_train_batch_size, config.max_seq_length
     batch = packed_batch(rows, seq_len, model.config.vocab_size, eos_id).to(device)
@@ -238,12 +278,15 @@ def run_check(config, *, device: str, dtype_name: str, num_layers: int | None = 
         packed = position_ids is not None and find_packed_sequence_indices(position_ids) is not None
         path = "block_mask" if packed else "none"
     tolerance = TOLERANCE.get(dtype_name, TOLERANCE["bfloat16"])
+    # Unmasked, the check is the opposite one: the recipe trains with documents seeing each other, so they must.
+    apart = max_abs_diff <= tolerance if config.document_masking else max_abs_diff > tolerance
     return {
         "attn_implementation": requested, "micro_batch": rows, "seq_len": seq_len,
-        "document_masking": config.document_masking, "path": path, "expected_path": masking.path, "kernel": kernel,
-        "device": device, "dtype": dtype_name, "documents": documents, "max_abs_diff": max_abs_diff,
-        "tolerance": tolerance,
-        "ok": path == masking.path and (max_abs_diff <= tolerance or not config.document_masking),
+        "document_masking": config.document_masking,
+        "checks": "documents kept apart" if config.document_masking else "documents see each other (no masking)",
+        "path": path, "expected_path": masking.path, "kernel": kernel, "width": width, "device": device,
+        "dtype": dtype_name, "documents": documents, "max_abs_diff": max_abs_diff, "tolerance": tolerance,
+        "ok": path == masking.path and apart,
     }  # fmt: skip
 
 
@@ -258,20 +301,42 @@ def _tokenizer_facts(config) -> tuple[int, int | None]:
     return 0, None
 
 
+def check_arguments(num_layers: int | None, vocab_size: int | None, device: str) -> None:
+    """The flags that argparse's types cannot judge, each refused in one line."""
+    import torch
+
+    if num_layers is not None and num_layers < 1:
+        raise ConfigError(f"--num-layers {num_layers}: give 1 or more layers (leave it out for the recipe's)")
+    if vocab_size is not None and vocab_size < 2:
+        raise ConfigError(f"--vocab-size {vocab_size}: give the tokenizer's vocabulary size, 2 or more")
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ConfigError(f"--device {device}: choose cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: torch sees no CUDA device here; run it on a GPU node, or --device cpu")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this node has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="recipe YAML")
     parser.add_argument("--num-layers", type=int, help="build this many decoder layers instead of the recipe's")
     parser.add_argument("--vocab-size", type=int, help="when neither model_config nor a local tokenizer gives one")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--device", help="default: cuda when available, else cpu")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N; default: cuda when available, else cpu")
+    parser.add_argument("--full-width", action="store_true", help="on a CPU, check the recipe's own width too")
     args, overrides = parser.parse_known_args(argv)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     try:
+        check_arguments(args.num_layers, args.vocab_size, device)
         config = load_config(args.config, overrides)
+        if not config.document_masking:
+            progress("document_masking is false: this checks that packed documents DO see each other, as this "
+                     "recipe trains; --document_masking true checks that they are kept apart")  # fmt: skip
         vocab_given = config.model_config.get("vocab_size") is not None or args.vocab_size is not None
         if not vocab_given and not Path(config.tokenizer_name_or_path).is_dir():
             raise ConfigError(
@@ -279,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 "pass --vocab-size N (or set model_config.vocab_size)"
             )
         result = run_check(config, device=device, dtype_name=dtype, num_layers=args.num_layers,
-                           vocab_size=args.vocab_size)  # fmt: skip
+                           vocab_size=args.vocab_size, full_width=args.full_width)  # fmt: skip
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

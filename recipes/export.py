@@ -289,12 +289,9 @@ def _abandoned_on_stop_signal(signals: StopSignals, source: Path, output: Path) 
             signal.signal(sig, handler)
 
 
-def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: Stop, started: float) -> None:
+def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: Stop) -> None:
     """`final/` from the best checkpoint after early stopping, else from this step's (saved now if it is not
-    yet), then the summary, report and loss plot. The main process writes; the other ranks are done."""
-    from accelerate.utils import gather_object
-
-    from recipes.telemetry.metrics import peak_host_memory_gb, plan_vs_measured, read_metrics, write_run_outputs
+    yet), then the run's record (`record_run`). The main process writes; the other ranks are done."""
     from recipes.training.run_state import StopReason
 
     state, run_dir = trainer.state, Path(config.output_dir)
@@ -302,8 +299,7 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
     if stop.reason is StopReason.EARLY_STOPPING and state.best_checkpoint:
         source = run_dir / state.best_checkpoint
         logger.info("exporting the best checkpoint, %s, to final/", state.best_checkpoint)
-    peaks_by_host = gather_object([(socket.gethostname(), peak_host_memory_gb())])  # a collective
-    peaks = [peak for _, peak in peaks_by_host]
+    peaks_by_host = _host_peaks()  # a collective
     if not trainer.accelerator.is_main_process:
         return
     dtype = "bfloat16" if config.bf16 else "float16" if config.fp16 else "float32"
@@ -311,19 +307,47 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
         # the ranks hashed the checkpoint as they saved it: no second read of ~1 TB at 70B before final/
         final_dir = export_checkpoint(source, run_dir / "final", dtype=dtype, overwrite=True, verify=False,
                                       run_may_hold_output=True)  # fmt: skip
-    summary = dict(
-        steps=state.step, stop_reason=str(stop), best_eval_loss=state.best_eval_loss,
-        best_checkpoint=state.best_checkpoint, wall_seconds=time.perf_counter() - started,
-        resumed_from=str(launch.resume_from) if launch.resume_from else None, exported_from=source.name,
-        num_parameters=trainer.num_parameters, peak_host_memory_gb_per_rank=peaks,
-        attn_implementation=launch.inputs.attn_implementation,
-    )  # fmt: skip
+    _write_record(config, launch, trainer, stop, peaks_by_host, source.name, final_dir)
+
+
+def record_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: Stop) -> None:
+    """A run stopped by a signal, saved and to be continued: its run_summary.json, report.md and loss.png as of the
+    checkpoint it saved, without final/ (a collective; the main process writes)."""
+    peaks_by_host = _host_peaks()
+    if trainer.accelerator.is_main_process:
+        _write_record(config, launch, trainer, stop, peaks_by_host, None, None)
+
+
+def _host_peaks() -> list[tuple[str, float]]:
+    """(host, peak resident GB) of every rank (a collective)."""
+    from accelerate.utils import gather_object
+
+    from recipes.telemetry.metrics import peak_host_memory_gb
+
+    return gather_object([(socket.gethostname(), peak_host_memory_gb())])
+
+
+def _write_record(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: Stop,
+                  peaks_by_host: list[tuple[str, float]], exported_from: str | None,
+                  final_dir: Path | None) -> None:  # fmt: skip
+    """run_summary.json, and report.md and loss.png drawn from it and metrics.jsonl: one record of the run."""
+    from recipes.telemetry.metrics import plan_vs_measured, read_metrics, write_run_outputs
+
+    state, run_dir = trainer.state, Path(config.output_dir)
     per_host: dict[str, float] = {}
     for host, peak in peaks_by_host:
         per_host[host] = per_host.get(host, 0.0) + peak
-    summary["plan_vs_measured"] = plan_vs_measured(
-        launch.inputs.predictions, read_metrics(run_dir / "metrics.jsonl"), per_host
-    )
+    measured = plan_vs_measured(launch.inputs.predictions, read_metrics(run_dir / "metrics.jsonl"), per_host)
+    summary = dict(
+        steps=state.step, num_tokens=state.num_tokens, stop_reason=str(stop), launches=state.launches,
+        wall_seconds=trainer.wall_seconds(), best_eval_loss=state.best_eval_loss,
+        best_checkpoint=state.best_checkpoint, resumed_from=str(launch.resume_from) if launch.resume_from else None,
+        exported_from=exported_from, num_parameters=trainer.num_parameters,
+        world_size=trainer.accelerator.num_processes, peak_host_memory_gb_per_rank=[peak for _, peak in peaks_by_host],
+        attn_implementation=launch.inputs.attn_implementation,
+        tokens_per_s=next(row["measured"] for row in measured if row["quantity"] == "tokens_per_s"),
+        plan_vs_measured=measured,
+    )  # fmt: skip
     write_run_outputs(run_dir, final_dir, summary)
 
 

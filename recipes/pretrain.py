@@ -3,6 +3,8 @@
     accelerate launch --config_file accelerate_configs/zero3_8gpu.yaml recipes/pretrain.py \
         --config recipes/configs/llama70b_a800x8.yaml [--key value ...]
 
+(`python -m recipes.launch` in place of `accelerate launch` exits with the code below and saves on SIGTERM.)
+
 Reads in the order of the run: parse -> check -> build -> fit -> export. `--help` lists every recipe key.
 Exit codes: 0 done (or saved and stopped by a signal), 1 hang watchdog, 2 bad input, 3 training fault,
 4 failed save, 5 stalled data.
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         return report_error(error)
     # torch and DeepSpeed are imported only now, so that --help and a bad config answer at once
-    from recipes.export import ExportInterrupted, export_run
+    from recipes.export import ExportInterrupted, export_run, record_run
     from recipes.training.checkpointing import CheckpointError, CheckpointSaveError
     from recipes.training.run_state import StopReason, TrainingFault
     from recipes.training.startup import check_launch
@@ -47,14 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         launch = check_launch(config)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
         return report_error(error)
-    trainer = build_trainer(config, launch)
+    trainer = build_trainer(config, launch, started)
 
     code = None  # a crash (a traceback) has no code to serve: Prometheus sees the endpoint go as a dead run's
     try:
         stop = trainer.fit()
         logger.info("training stopped after %d steps: %s", trainer.state.step, stop)
-        if stop.reason is not StopReason.STOP_SIGNAL:  # a stopped run is continued later, not exported
-            export_run(config, launch, trainer, stop, started)
+        if stop.reason is StopReason.STOP_SIGNAL:  # a stopped run is continued later, not exported
+            record_run(config, launch, trainer, stop)
+        else:
+            export_run(config, launch, trainer, stop)
         code = 0
     except ExportInterrupted as interrupted:  # the checkpoint is complete: a relaunch exports final/ again
         logger.warning("%s", interrupted)
@@ -76,4 +80,6 @@ def report_error(error: Exception) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from recipes.launch import write_exit_code  # for `python -m recipes.launch`, which exits with the ranks' code
+
+    sys.exit(write_exit_code(main()))

@@ -9,7 +9,7 @@ import torch
 from recipes.attention_check import document_spans, main, packed_batch, run_check
 from recipes.config import ATTN_IMPLEMENTATIONS, load_config
 from recipes.training import attention
-from tests.conftest import TINY_RECIPE
+from tests.conftest import REPO, TINY_RECIPE
 
 TINY = ["--model_config.vocab_size", "512", "--model_config.num_hidden_layers", "2", "--max_seq_length", "96"]
 
@@ -49,6 +49,48 @@ def test_without_document_masking_documents_see_each_other():
     result = check("sdpa", 2, masking=False)
     assert result["path"] == result["expected_path"] == "none"
     assert result["max_abs_diff"] > 1e-2
+    assert result["checks"] == "documents see each other (no masking)" and result["ok"]
+
+
+def test_unmasked_the_check_fails_when_documents_do_not_see_each_other(monkeypatch):
+    """It used to print ok: true for any difference when masking was off: a check that could not fail."""
+    import recipes.attention_check as attention_check
+
+    monkeypatch.setattr(attention_check, "packed_against_alone", lambda *args: (0.0, 5))
+    assert not check("sdpa", 2, masking=False)["ok"]
+    assert check("sdpa", 2, masking=True)["ok"]
+
+
+def test_the_70b_recipe_is_checked_masked_and_narrowed_on_a_cpu_in_seconds(capsys, corpus):
+    """README step 3, literally, on a CPU: the shipped 70B recipes mask documents, and the check builds them with
+    the recipe's head size and heads per key-value head (it ran over 5 minutes, silently, and checked nothing)."""
+    for recipe in ("llama70b_a800x8.yaml", "llama70b_a800x16.yaml"):
+        assert load_config(REPO / "recipes/configs" / recipe, []).document_masking
+    argv = ["--config", str(REPO / "recipes/configs/llama70b_a800x8.yaml"), "--num-layers", "2",
+            "--tokenizer_name_or_path", str(corpus["tokenizer"])]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip())
+    assert result["checks"] == "documents kept apart" and result["path"] == "varlen" and result["ok"]
+    assert result["width"].startswith("narrowed: 8 of 64 query heads and 1 of 8 key-value heads, head size 128")
+    assert result["seq_len"] == 2048 and result["micro_batch"] == 2 and result["documents"] > 2
+    assert "documents alone" in captured.err and "building the model: 2 layer(s)" in captured.err
+    leaking = main([*argv, "--document_masking", "false"])  # the narrowed model still shows documents meeting
+    assert leaking == 0 and json.loads(capsys.readouterr().out.strip())["max_abs_diff"] > 1e-2
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--num-layers", "0"], "--num-layers 0"), (["--num-layers", "-2"], "--num-layers -2"),
+     (["--vocab-size", "0"], "--vocab-size 0"), (["--vocab-size", "-5"], "--vocab-size -5"),
+     (["--device", "banana"], "--device banana"), (["--device", "cuda"], "--device cuda")],
+)  # fmt: skip
+def test_impossible_flags_are_one_line_each(capsys, flags, named):
+    if "cuda" in flags and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["--config", str(TINY_RECIPE), *TINY, *flags]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"error: {named}") and "\n" not in error
 
 
 def test_varlen_inputs_mark_every_row_start_and_every_document_start():

@@ -352,3 +352,49 @@ def test_real_mmlus_empty_question_loads_and_an_empty_choice_does_not_in_either_
     where = f"{path.name}:1" if layout == "csv" else f"{path.name}: row 0"
     with pytest.raises(BenchmarkDataError, match=f"{where}: choice B is empty"):
         check_mmlu(tmp_path)
+
+
+def test_prompts_longer_than_the_positions_are_measured_before_the_run_and_counted_in_the_loop(tmp_path, data, corpus,
+                                                                                               caplog):  # fmt: skip
+    """Real 5-shot MMLU prompts were cut silently in the loop (2,942 tokens against 1,024 positions). Preflight now
+    measures them exactly as the evaluation builds them, and the in-loop results count the cut ones."""
+    import dataclasses
+    import logging
+
+    from accelerate import Accelerator
+
+    from eval.harness import measure_prompts
+    from recipes.config import ConfigError
+    from recipes.training.startup import check_prompt_lengths
+
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    settings = BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_parquet"]), str(data["gsm8k_jsonl"]), limit=2,
+                                 max_gen_toks=8)  # fmt: skip
+    roomy = measure_prompts(settings, tokenizer, 4096)
+    assert roomy.truncated == 0 and roomy.prompts > 0 and roomy.longest_tokens > 100
+    positions = roomy.longest_tokens - 1  # the longest prompt (at least) is cut
+    measured = measure_prompts(settings, tokenizer, positions)
+    assert 0 < measured.truncated < measured.prompts
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=positions, eos_token_id=tokenizer.eos_token_id,
+                                         pad_token_id=tokenizer.pad_token_id))  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="eval"):
+        scores = run_benchmarks(model, Accelerator(cpu=True), tokenizer, settings, step=3, output_dir=tmp_path)
+    counted = json.loads((tmp_path / "eval" / "step-3.json").read_text())["prompt_lengths"]
+    assert counted == dataclasses.asdict(measured), "preflight's measure is what the evaluation then cuts"
+    assert scores["benchmark_truncated_prompts"] == measured.truncated
+    assert f"step 3: {measured.truncated} of {measured.prompts} benchmark prompts are longer than the model's " \
+           f"{positions:,} positions" in caplog.text  # fmt: skip
+
+    with pytest.raises(ConfigError, match=f"Raise model_config.max_position_embeddings to "
+                                          f"{positions + measured.most_over} or more"):  # fmt: skip
+        check_prompt_lengths(settings, tokenizer, positions, strict=True)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pretrain"):
+        check_prompt_lengths(settings, tokenizer, positions, strict=False)
+        assert "benchmarks: " in caplog.text and "lm-eval cuts them" in caplog.text
+        check_prompt_lengths(settings, tokenizer, positions + measured.most_over, strict=True)
+    assert measure_prompts(settings, tokenizer, positions + measured.most_over).truncated == 0

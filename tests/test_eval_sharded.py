@@ -53,6 +53,11 @@ def test_two_ranks_score_every_document_as_one_rank(tmp_path, trained_run):
             ours = [responses[0][0] for responses in record["resps"]]
             theirs = [responses[0][0] for responses in other["resps"]]
             assert ours == pytest.approx(theirs, abs=1e-4), key
+    # the prompts' lengths, counted by each rank over its share, add up to one rank's
+    lengths = [json.loads((runs[n] / "eval" / "step-0.json").read_text())["prompt_lengths"] for n in (1, 2)]
+    for key in ("truncated", "longest_tokens", "most_over", "max_length"):
+        assert lengths[0][key] == lengths[1][key], key
+    assert lengths[1]["prompts"] >= lengths[0]["prompts"] > 0  # lm-eval pads a rank's requests with copies
     scores = {n: json.loads((runs[n] / "rank-0.json").read_text())["scores"] for n in (1, 2)}
     for metric in ("mmlu/acc", "gsm8k/exact_match_strict", "gsm8k/exact_match_flexible"):
         assert scores[1][metric] == pytest.approx(scores[2][metric])

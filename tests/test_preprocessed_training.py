@@ -218,3 +218,29 @@ def test_a_failed_conversion_publishes_nothing_and_every_rank_says_why(tmp_path,
     assert not has_universal(checkpoint) and not (checkpoint / elastic.STAGING).exists()
     with pytest.raises(CheckpointError, match="to the universal format failed"):  # a rank that waited for rank 0
         elastic.wait_for_conversion(checkpoint)
+
+
+def test_data_that_ends_before_max_steps_still_gets_its_last_step_evaluated_saved_and_exported(tmp_path, corpus):
+    """A run whose data ends before max_steps is told at start how many steps one pass gives, and stops at the last
+    of them with that step's validation, checkpoint and final/ (before, it stopped without any of them)."""
+    small = tmp_path / "small.jsonl"
+    with open(corpus["train"]) as source:
+        small.write_text("".join(line for _, line in zip(range(5), source, strict=False)))
+    manifest = preprocess(str(corpus["tokenizer"]), [str(small)], str(tmp_path / "packed"), 128, 1)
+    steps_per_pass = manifest["num_sequences"] // 32  # global batch: 2 ranks x 8 rows x 2 accumulation (tiny recipe)
+    assert 2 <= steps_per_pass < 20, manifest["num_sequences"]
+    output_dir = tmp_path / "run"
+    args = tiny_overrides(corpus, output_dir, train_files=tmp_path / "packed", max_steps=20, eval_steps=15,
+                          save_steps=15, logging_steps=1, max_eval_samples=8, warmup_steps=2)  # fmt: skip
+    result = launch(REPO / "recipes/pretrain.py", args)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"one pass is {steps_per_pass} optimizer steps, so num_train_epochs 1 gives {steps_per_pass} of the " \
+           f"run's 20: the run stops at step {steps_per_pass} (end of data)" in result.stderr  # fmt: skip
+    from tests.conftest import eval_losses
+
+    assert sorted(train_losses(output_dir)) == list(range(1, steps_per_pass + 1))
+    assert list(eval_losses(output_dir)) == [steps_per_pass]
+    assert (output_dir / f"checkpoint-{steps_per_pass}" / "manifest.json").exists()
+    summary = json.loads((output_dir / "run_summary.json").read_text())
+    assert summary["steps"] == steps_per_pass and summary["stop_reason"].startswith("end of data")
+    assert json.loads((output_dir / "final" / "export.json").read_text())["step"] == steps_per_pass

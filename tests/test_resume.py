@@ -149,6 +149,10 @@ def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, 
     args = run_args(corpus, output_dir)
     first = stop_when_training(args, output_dir, tmp_path / "time_limit.txt", "time limit")
     assert 0 < first < STEPS
+    stopped = json.loads((output_dir / "run_summary.json").read_text())  # a stopped run records itself too
+    assert stopped["steps"] == first and stopped["stop_reason"].startswith("stop signal") and stopped["launches"] == 1
+    assert stopped["exported_from"] is None and (output_dir / "loss.png").exists()
+    assert f"- steps: {first} (stop signal" in (output_dir / "report.md").read_text()
     second = stop_when_training(args, output_dir, tmp_path / "preemption.txt", "preemption")
     assert f"checkpoint-{first} at step {first}" in (tmp_path / "preemption.txt").read_text()
     assert first < second < STEPS
@@ -156,6 +160,16 @@ def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, 
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     assert f"checkpoint-{second} at step {second}" in relaunch.stderr
     assert losses(output_dir) == losses(uninterrupted)
+    # report.md says what run_summary.json says, over all three launches (it once gave the last logged step, the
+    # last launch's wall time, and another throughput than the plan table's)
+    summary, report = json.loads((output_dir / "run_summary.json").read_text()), (output_dir / "report.md").read_text()
+    assert summary["steps"] == STEPS and summary["launches"] == 3 and summary["num_tokens"] == STEPS * 32 * 128
+    assert summary["wall_seconds"] > stopped["wall_seconds"] + 5, "the earlier launches' time is in it"
+    assert f"- steps: {STEPS} (max_steps)" in report and f"- tokens consumed: {summary['num_tokens']:,}" in report
+    assert f"- wall time: {summary['wall_seconds']:.0f} s over 3 launches" in report
+    assert f"- throughput: {summary['tokens_per_s']:,.0f} tokens/s over all ranks (tokens of the training" in report
+    measured = {row["quantity"]: row["measured"] for row in summary["plan_vs_measured"]}
+    assert measured["tokens_per_s"] == summary["tokens_per_s"], "one throughput"
 
 
 def test_early_stopping_exports_the_best_checkpoint(tmp_path, corpus):

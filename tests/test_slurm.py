@@ -148,14 +148,15 @@ def test_a_node_lost_mid_run_is_survived_unattended_and_the_run_grows_back(slurm
 
 
 def test_the_scripts_forward_every_argument_intact(tmp_path):
-    """With a fake srun, scontrol and accelerate on PATH: the overrides reach the launch word for word."""
+    """With a fake srun, scontrol and python on PATH: the overrides reach the launch word for word, through the
+    wrapper that exits with the ranks' own code (recipes.launch)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fakes = {
         "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n',
         "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show hostnames" ]; then echo n1; else echo "NodeName=n1 '
         'NodeAddr=10.1.2.3 State=IDLE"; fi\n',
-        "accelerate": f'#!/usr/bin/env bash\n{sys.executable} -c \'import json, sys; print(json.dumps(sys.argv[1:]))\' '
+        "python": f'#!/usr/bin/env bash\n{sys.executable} -c \'import json, sys; print(json.dumps(sys.argv[1:]))\' '
         f'"$@" > {tmp_path}/argv.json\n',
     }  # fmt: skip
     for name, text in fakes.items():
@@ -166,6 +167,7 @@ def test_the_scripts_forward_every_argument_intact(tmp_path):
     subprocess.run(["bash", str(one_node), "--note", "a  b"], cwd=REPO, env={**env, "SLURM_JOB_NUM_NODES": "1"},
                    check=True, timeout=60)  # fmt: skip
     argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv[:2] == ["-m", "recipes.launch"]
     assert argv[argv.index("--config") + 1] == "recipes/configs/llama70b_a800x8.yaml"
     assert argv[-2:] == ["--note", "a  b"]
     assert argv[argv.index("--num_processes") + 1] == "8" and argv[argv.index("--num_machines") + 1] == "1"

@@ -365,7 +365,12 @@ class PretrainConfig:
     )
     preflight_strict: bool = field(
         default=True,
-        metadata={"help": "Stop at start-up when the plan says the run does not fit in GPU or host memory."},
+        metadata={
+            "help": (
+                "Stop at start-up when the plan says the run does not fit in GPU or host memory, or when a benchmark "
+                "prompt is longer than max_position_embeddings (lm-eval would cut it); false: a warning instead."
+            )
+        },
     )
 
     def micro_tokens(self) -> int:

@@ -148,6 +148,18 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
+THROUGHPUT_DEFINITION = (
+    "tokens of the training steps / their wall time, evaluation and saving excluded: the median of the logged "
+    "windows after the first, which holds start-up"
+)
+
+
+def steady_median(records: list[dict[str, Any]], key: str) -> float | None:
+    """The median of `key` over the logged windows after the first (all of them when there is one)."""
+    windows = [r[key] for r in records if r.get(key) is not None]
+    return _median(windows[1:] or windows) if windows else None
+
+
 PLAN_QUANTITIES = {
     "step_time_s": "step time (s)",
     "tokens_per_s": "tokens/s (all ranks)",
@@ -162,11 +174,10 @@ def plan_vs_measured(predictions: dict[str, float | None], records: list[dict[st
     windows (the first window, which includes start-up, is left out when there are others), the largest peak GPU
     memory any rank logged, and the largest per-node sum of the ranks' peak resident memory."""
     train = [r for r in records if "tokens_per_s" in r]
-    steady = train[1:] or train
     gpu = [r["peak_gpu_memory_gb"] for r in records if r.get("peak_gpu_memory_gb")]
     measured = {
-        "step_time_s": _median([r["step_time_s"] for r in steady]) if steady else None,
-        "tokens_per_s": _median([r["tokens_per_s"] for r in steady]) if steady else None,
+        "step_time_s": steady_median(train, "step_time_s"),
+        "tokens_per_s": steady_median(train, "tokens_per_s"),
         "peak_gpu_memory_gb": max(gpu) if gpu else None,
         "peak_host_memory_gb_per_node": max(host_peaks_gb.values()) if host_peaks_gb else None,
     }
@@ -201,8 +212,9 @@ def run_report(output_dir: str | Path) -> str:
     lines = [f"# Run report: {output_dir}", ""]
     if not train:
         return "\n".join([*lines, "No training step was logged."]) + "\n"
+    # The run's totals are run_summary.json's (the run's own counters); metrics.jsonl gives the curves.
     lines += [
-        f"- steps: {train[-1]['step']} ({summary.get('stop_reason', 'stop reason unknown')})",
+        f"- steps: {summary.get('steps', train[-1]['step'])} ({summary.get('stop_reason', 'stop reason unknown')})",
         f"- train loss: {train[0]['loss']:.4f} (step {train[0]['step']}) -> {train[-1]['loss']:.4f} "
         f"(step {train[-1]['step']})",
     ]
@@ -210,12 +222,14 @@ def run_report(output_dir: str | Path) -> str:
         best = min(evals, key=lambda r: r["eval_loss"])
         trail = " -> ".join(f"{r['eval_loss']:.4f} (step {r['step']})" for r in evals)
         lines += [f"- eval loss: {trail}", f"- best eval loss: {best['eval_loss']:.4f} at step {best['step']}"]
-    lines.append(f"- throughput: median {_median([r['tokens_per_s'] for r in train]):,.0f} tokens/s over all ranks")
-    mfus = [r["mfu"] for r in train if r.get("mfu") is not None]
+    tokens_per_s = summary.get("tokens_per_s") or steady_median(train, "tokens_per_s")
+    lines.append(f"- throughput: {tokens_per_s:,.0f} tokens/s over all ranks ({THROUGHPUT_DEFINITION})")
+    mfus = [r for r in train if r.get("mfu") is not None]
     if mfus:
-        lines.append(f"- MFU: median {_median(mfus):.1%}")
-    if train[-1].get("num_tokens"):
-        lines.append(f"- tokens consumed: {train[-1]['num_tokens']:,}")
+        lines.append(f"- MFU: {steady_median(mfus, 'mfu'):.1%} (the same windows)")
+    tokens = summary.get("num_tokens", train[-1].get("num_tokens"))
+    if tokens:
+        lines.append(f"- tokens consumed: {tokens:,}")
     changes = [r for r in records if "previous_world_size" in r]
     if changes:
         trail = "; ".join(f"step {r['step']}: {r['previous_world_size']} -> {r['world_size']} ranks (accumulation "
@@ -226,7 +240,35 @@ def run_report(output_dir: str | Path) -> str:
         peaks = ", ".join(f"rank {i} {gb:.2f} GB" for i, gb in enumerate(summary["peak_host_memory_gb_per_rank"]))
         lines.append(f"- peak host memory: {peaks}")
     if "wall_seconds" in summary:
-        lines.append(f"- wall time: {summary['wall_seconds']:.0f} s")
+        launches = summary.get("launches")
+        over = f" over {launches} launch{'es' if launches != 1 else ''}" if launches else ""
+        lines.append(f"- wall time: {summary['wall_seconds']:.0f} s{over} (start-up, steps, evaluations and saves; "
+                     "work redone after a restart counted once)")  # fmt: skip
+    lines += _benchmark_lines(records, summary)
+    if summary.get("plan_vs_measured"):
+        lines += _plan_table(summary["plan_vs_measured"])
+    return "\n".join(lines) + "\n"
+
+
+def write_run_outputs(output_dir: str | Path, final_dir: Path | None, summary: dict[str, Any]) -> None:
+    """loss.png, run_summary.json and report.md at the end of a launch (final_dir None: stopped, to be continued),
+    and where they are (main process)."""
+    import logging
+
+    logger = logging.getLogger("pretrain")
+    output_dir = Path(output_dir)
+    plot_losses(output_dir / "metrics.jsonl", output_dir / "loss.png")
+    (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+    (output_dir / "report.md").write_text(run_report(output_dir))
+    if final_dir is not None:
+        logger.info("model: %s", final_dir)
+    logger.info("metrics: %s (TensorBoard: %s)", output_dir / "metrics.jsonl", output_dir / "tensorboard")
+    logger.info("loss plot: %s", output_dir / "loss.png")
+
+
+def _benchmark_lines(records: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
+    """The report's lines on the in-loop benchmarks: each score over the run, and what an evaluation costs."""
+    lines: list[str] = []
     mmlu = [r for r in records if "mmlu/acc" in r]
     if mmlu:
         trail = " -> ".join(f"{r['mmlu/acc']:.4f} (step {r['step']})" for r in mmlu)
@@ -240,24 +282,12 @@ def run_report(output_dir: str | Path) -> str:
         lines.append(f"- GSM8K exact match (lm-eval, strict / flexible extraction): {trail}")
     timed = [r for r in records if "benchmark_seconds_per_document" in r]
     if timed:
+        ranks = summary.get("world_size")
+        split = f"the documents split over {ranks} ranks" if ranks else "the documents split over the ranks"
+        truncated = sum(r.get("benchmark_truncated_prompts", 0) for r in timed)
         lines.append(
             f"- benchmark time: {timed[-1]['benchmark_seconds']:.1f} s per evaluation, "
-            f"{timed[-1]['benchmark_seconds_per_document']:.2f} s per document (all ranks run every document)"
+            f"{timed[-1]['benchmark_seconds_per_document']:.2f} s per document ({split})"
+            + (f"; {truncated:,} prompts cut to the model's positions" if truncated else "")
         )
-    if summary.get("plan_vs_measured"):
-        lines += _plan_table(summary["plan_vs_measured"])
-    return "\n".join(lines) + "\n"
-
-
-def write_run_outputs(output_dir: str | Path, final_dir: Path, summary: dict[str, Any]) -> None:
-    """loss.png, run_summary.json and report.md at the end of a run, and where they are (main process)."""
-    import logging
-
-    logger = logging.getLogger("pretrain")
-    output_dir = Path(output_dir)
-    plot_losses(output_dir / "metrics.jsonl", output_dir / "loss.png")
-    (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
-    (output_dir / "report.md").write_text(run_report(output_dir))
-    logger.info("model: %s", final_dir)
-    logger.info("metrics: %s (TensorBoard: %s)", output_dir / "metrics.jsonl", output_dir / "tensorboard")
-    logger.info("loss plot: %s", output_dir / "loss.png")
+    return lines

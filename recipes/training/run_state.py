@@ -24,6 +24,10 @@ class RunState:
     evaluations_without_improvement: int = 0
     best_checkpoint: str | None = None
     validation_sha256: str | None = None  # the set best_eval_loss was measured on (recipes.training.validation)
+    # Over every launch, up to this step: start-up, steps, evaluations and saves (time a killed launch spent past its
+    # last checkpoint is redone, and counted once). A checkpoint from before these fields starts them at 0.
+    wall_seconds: float = 0.0
+    launches: int = 0
 
     def key_best_to(self, validation_sha256: str) -> str | None:
         """Keep the best loss and the patience count only if they were measured on this validation set; otherwise

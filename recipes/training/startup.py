@@ -167,8 +167,11 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     model_config = checked_model_config(config, tokenizer)
     benchmarks = benchmark_settings(config)
     if benchmarks:
-        benchmarks.check(RECIPE_KEYS)  # numbers and data directories, before the model costs anything
+        # numbers and data directories, before the model costs anything
+        benchmarks.check(RECIPE_KEYS, ranks=accelerator.num_processes)
         logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
+        positions, strict = model_config.max_position_embeddings, config.preflight_strict
+        on_main_process(lambda: check_prompt_lengths(benchmarks, tokenizer, positions, strict), catch=(ConfigError,))
     slow_bf16 = bf16_emulation_warning(config.bf16, torch.cuda.is_available(), cpu_has_native_bf16())
     if slow_bf16:
         logger.warning(slow_bf16)
@@ -203,6 +206,24 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         identity,
         plan_predictions(plan),
     )
+
+
+def check_prompt_lengths(benchmarks: BenchmarkSettings, tokenizer, positions: int, strict: bool) -> None:
+    """The configured benchmarks' prompts against the model's positions: a prompt longer than them is cut from the
+    left by lm-eval, silently, for the whole run; refused under preflight_strict, else a warning."""
+    from eval.harness import measure_prompts
+
+    lengths = measure_prompts(benchmarks, tokenizer, positions)
+    said = lengths.warning("benchmarks")
+    if said is None:
+        logger.info("benchmarks: %d prompts, the longest %d tokens, within max_position_embeddings %d",
+                    lengths.prompts, lengths.longest_tokens, positions)  # fmt: skip
+        return
+    fix = (f"Raise model_config.max_position_embeddings to {positions + lengths.most_over} or more (RoPE has no "
+           "weights: it costs no memory), or lower eval_num_fewshot")  # fmt: skip
+    if strict:
+        raise ConfigError(f"{said}. {fix}; or set preflight_strict: false to score them cut")
+    logger.warning("%s. %s", said, fix)
 
 
 def checked_model_config(config: PretrainConfig, tokenizer):
@@ -279,6 +300,20 @@ def benchmark_settings(config: PretrainConfig) -> BenchmarkSettings | None:
     )
 
 
+def data_passes(config: PretrainConfig, data, world: int) -> tuple[int, str]:
+    """How many steps the data gives against the run's (recipes.training.train_data.passes_line)."""
+    from recipes.training.schedule import lr_at_step
+    from recipes.training.train_data import passes_line
+
+    total = config.total_steps(world)
+    steps = data.steps_per_epoch
+    end = min(total, steps * config.num_train_epochs) if steps is not None else total
+    lr = lr_at_step(max(end - 1, 0), learning_rate=1.0, warmup_steps=config.warmup_steps, total_steps=total,
+                    lr_scheduler_type=config.lr_scheduler_type,
+                    min_lr=float(config.lr_scheduler_kwargs.get("min_lr", 0.0)) / config.learning_rate)  # fmt: skip
+    return passes_line(steps, config.num_train_epochs, total, lr)
+
+
 @dataclass
 class Launch:
     """A launch that passed every check: what `recipes.training.trainer.build_trainer` builds on."""
@@ -328,6 +363,8 @@ def check_launch(config: PretrainConfig) -> Launch:
         problem = resume.steps_problem(config.total_steps(world), resume_from)
         if problem:
             raise ConfigError(problem)
+    if accelerator.is_main_process:
+        logger.log(*data_passes(config, data, world))
     # on the main process, and an error there stops every rank
     on_main_process(lambda: output_dir.prepare(config, ds_config), catch=(ConfigError,))
     signals = StopSignals()  # from here a preemption signal waits for the next step boundary

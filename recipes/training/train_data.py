@@ -100,6 +100,30 @@ def open_mixture(config: PretrainConfig, tokenizer, world: int) -> MixedRows:
     return mixture
 
 
+def passes_line(steps_per_epoch: int | None, num_epochs: int, total_steps: int, lr_at_end: float) -> tuple[int, str]:
+    """What preflight says of the data against the run's steps (log level, line). A run whose data ends first stops
+    there (it does not start another pass): its last step is evaluated, saved and exported. `lr_at_end` is the
+    learning rate's share of its peak at that step (the schedule runs to max_steps)."""
+    if steps_per_epoch is None:
+        return logging.INFO, (
+            f"train data: raw text, whose steps are known only once read: if it ends before step {total_steps:,}, "
+            "the run stops there, its last step evaluated, saved and exported (preprocess to know in advance)"
+        )
+    available = steps_per_epoch * num_epochs
+    if available >= total_steps:
+        return logging.INFO, (
+            f"train data: one pass is {steps_per_epoch:,} optimizer steps; the run's {total_steps:,} steps read "
+            f"{total_steps / steps_per_epoch:.2f} of num_train_epochs {num_epochs}"
+        )
+    return logging.WARNING, (
+        f"train data: one pass is {steps_per_epoch:,} optimizer steps, so num_train_epochs {num_epochs} gives "
+        f"{available:,} of the run's {total_steps:,}: the run stops at step {available:,} (end of data), its last "
+        f"step evaluated, saved and exported, with the learning rate at {100 * lr_at_end:.0f} % of its peak (the "
+        f"schedule runs to step {total_steps:,}). Add data, set num_train_epochs "
+        f"{-(-total_steps // steps_per_epoch)}, or set max_steps {available}"
+    )
+
+
 # Tests only: a dataloader worker stops producing after this many rows, to show that a stall ends the run.
 STALL_AFTER_ROWS_ENV = "PRETRAIN_TEST_STALL_WORKER_AFTER_ROWS"
 
@@ -177,14 +201,42 @@ class TrainData:
                 f"train_files: {len(source)} preprocessed rows are fewer than one global batch of "
                 f"{config.resolved_global_batch_size(world)} rows: add data or lower the batch"
             )
+        # The position of what the Trainer has taken (saved in checkpoints), and of what has been read: one step
+        # ahead after `peek`, which reads the next step's micro-batches so that the loop knows a step is the last.
         self.epoch = 0
         self.rows_consumed = 0  # in the current epoch, by this rank
+        self._read_at = (0, 0)  # (epoch, rows) of the iterator
+        self._ahead: tuple[list[torch.Tensor] | None, tuple[int, int]] | None = None
         # Started now, before the model is built: creating the iterator draws the workers' base seed from
         # torch's generator, so when it happens is part of what makes two runs identical.
         self._iterator = iter(self.loader)
 
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps in one pass of preprocessed data (None for a raw-text stream: known only once read)."""
+        sampler = getattr(self.loader, "batch_sampler", None)
+        return sampler.steps_per_epoch if isinstance(sampler, GlobalBatchSampler) else None
+
     def take(self, count: int) -> list[torch.Tensor] | None:
-        """`count` micro-batches, or None when this rank has no more data."""
+        """`count` micro-batches, or None when this rank has no more data; the data position moves past them."""
+        batches, position = self._read_ahead(count)
+        self._ahead = None
+        if batches is not None:
+            self.epoch, self.rows_consumed = position
+        return batches
+
+    def peek(self, count: int) -> bool:
+        """Whether `take(count)` will give a step's micro-batches, read now without moving the data position (a
+        checkpoint saved before the next `take` continues with these same batches)."""
+        return self._read_ahead(count)[0] is not None
+
+    def _read_ahead(self, count: int) -> tuple[list[torch.Tensor] | None, tuple[int, int]]:
+        if self._ahead is None:
+            self._ahead = self._read(count)
+        return self._ahead
+
+    def _read(self, count: int) -> tuple[list[torch.Tensor] | None, tuple[int, int]]:
+        epoch, rows = self._read_at
         batches = []
         while len(batches) < count:
             try:
@@ -197,15 +249,15 @@ class TrainData:
                     "(half of hang_timeout_s); the data source is stuck (a hung filesystem?)"
                 ) from None
             except StopIteration:
-                if self.epoch + 1 >= self.num_epochs:
-                    return None
-                self.epoch += 1
-                self.rows_consumed = 0
+                if epoch + 1 >= self.num_epochs:
+                    return None, self._read_at
+                epoch, rows = epoch + 1, 0
                 self._iterator = iter(self.loader)
                 continue
-            self.rows_consumed += len(batch)
+            rows += len(batch)
             batches.append(batch)
-        return batches
+        self._read_at = (epoch, rows)
+        return batches, self._read_at
 
     def mixture_tokens(self) -> dict[str, int] | None:
         """Tokens consumed so far from each mixture source, by its path as the recipe writes it (None: no mixture).
@@ -275,6 +327,7 @@ class TrainData:
         self._iterator = iter(self.loader)
         sampler.start_micro_batch = 0  # the next epoch starts at its beginning
         self.rows_consumed = rows_consumed
+        self._read_at, self._ahead = (epoch, rows_consumed), None
 
     def _read_past(self, epoch: int, rows_consumed: int) -> None:
         """A raw-text stream is deterministic: reading past the consumed rows reproduces the exact next batch,
@@ -289,6 +342,7 @@ class TrainData:
                     f"the data ended after {self.rows_consumed} rows while restoring position {rows_consumed}: "
                     "train_files changed since the checkpoint was written"
                 ) from None
+        self._read_at, self._ahead = (epoch, self.rows_consumed), None
 
     def close(self) -> None:
         """Stop the dataloader workers (they ignore SIGTERM, so multiprocessing's exit handler cannot)."""

@@ -51,10 +51,27 @@ class Trainer:
         self.total_steps = config.total_steps(world)
         self.tokens_per_step = config.resolved_global_batch_size(world) * config.max_seq_length
         self.window = StepWindow(accelerator.device)
+        self.data_ends = False  # the data has no step after this one (agreed by every rank)
+        self._launch: tuple[float, float] | None = None  # (perf_counter at the launch's start, wall seconds before it)
+
+    def begin_launch(self, started: float) -> None:
+        """Count this launch, and its time from `started` (a perf_counter reading at process start) on top of the
+        wall time the restored state carries."""
+        self.state.launches += 1
+        self._launch = (started, self.state.wall_seconds)
+
+    def wall_seconds(self) -> float:
+        """The run's wall time over all launches, up to now."""
+        if self._launch is None:
+            return self.state.wall_seconds
+        started, before = self._launch
+        return before + time.perf_counter() - started
 
     @property
     def is_last_step(self) -> bool:
-        return self.state.step == self.total_steps
+        """max_steps reached, or the data runs out after this step: either way the step gets its evaluations,
+        benchmarks and checkpoint."""
+        return self.state.step == self.total_steps or self.data_ends
 
     def due(self, interval: int) -> bool:
         """Whether something that runs every `interval` steps (and at the last step) runs now."""
@@ -67,6 +84,7 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_train_start(self)
         stop: Stop | None = None
+        self.data_ends = self._data_ends()
         while stop is None:
             if self.state.step >= self.total_steps:
                 stop = Stop(StopReason.MAX_STEPS)
@@ -79,12 +97,12 @@ class Trainer:
                 self.save()
                 stop = Stop(StopReason.STOP_SIGNAL)
                 break
-            micro_batches = self.data.take(self.config.gradient_accumulation_steps)
-            (exhausted,) = any_rank([micro_batches is None], self.accelerator.device)
-            if exhausted:
-                stop = Stop(StopReason.END_OF_DATA)
+            if self.data_ends:
+                stop = Stop(StopReason.END_OF_DATA, f"step {self.state.step} of max_steps {self.total_steps}")
                 break
-            stop = self._step_end(self.train_step(micro_batches))
+            result = self.train_step(self.data.take(self.config.gradient_accumulation_steps))
+            self.data_ends = self._data_ends()  # known before the callbacks, so the last step gets its evaluations
+            stop = self._step_end(result)
         for callback in self.callbacks:
             callback.on_train_end(self, stop)
         if stop.reason is StopReason.END_OF_DATA and self.state.step == 0:
@@ -93,6 +111,14 @@ class Trainer:
                 "tokens: add data, or lower the batch or max_seq_length"
             )
         return stop
+
+    def _data_ends(self) -> bool:
+        """Whether any rank's data has no further step (a collective; reads the next step's batches ahead)."""
+        if self.state.step >= self.total_steps:
+            return False
+        has_next = self.data.peek(self.config.gradient_accumulation_steps)
+        (ends,) = any_rank([not has_next], self.accelerator.device)
+        return bool(ends)
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
         """One optimizer step: its learning rate, a forward and backward per micro-batch, DeepSpeed's optimizer
@@ -142,6 +168,7 @@ class Trainer:
         last = self.checkpointer.last
         if last is not None and step_of(last) == self.state.step:
             return last
+        self.state.wall_seconds = self.wall_seconds()
         path = self.checkpointer.save(self.state.step, protected=self.state.best_checkpoint)
         for callback in self.callbacks:
             callback.on_save(self, path)
@@ -150,7 +177,10 @@ class Trainer:
     def load_checkpoint(self, path: Path, skip: tuple[str, ...] = ()) -> None:
         """Model, optimizer, RNG states and the stateful parts not in `skip` from `path` (a collective), and
         `metrics.jsonl` cut back to its step. Resume and loss-spike rollback both come through here."""
+        launches = self.state.launches  # a rollback restores the step, not the run's count of launches
         same_world = self.checkpointer.load(path, skip)
+        if self._launch is not None:
+            self.state.launches = launches
         replay_cpu_adam_bias_correction(self.optimizer)
         if not same_world:
             from accelerate.utils import set_seed
@@ -198,8 +228,9 @@ def metrics_writer(config: PretrainConfig, accelerator, planned_tokens_per_s: fl
     )
 
 
-def build_trainer(config: PretrainConfig, launch: Launch) -> Trainer:
-    """The model, the Trainer with its callbacks and checkpointer, restored from the chosen checkpoint."""
+def build_trainer(config: PretrainConfig, launch: Launch, started: float) -> Trainer:
+    """The model, the Trainer with its callbacks and checkpointer, restored from the chosen checkpoint. `started`: the
+    perf_counter reading at the process's start, from which this launch's wall time counts."""
     from recipes.architecture import training_flops_per_token
     from recipes.training import resume
     from recipes.training.callbacks import callbacks_for
@@ -229,6 +260,7 @@ def build_trainer(config: PretrainConfig, launch: Launch) -> Trainer:
     if launch.resume_from:
         trainer.load_checkpoint(launch.resume_from)
         logger.info("resume: continuing from %s at step %d", launch.resume_from, state.step)
+    trainer.begin_launch(started)
     trainer.metrics.write(state.step, launch_record(config, accelerator.num_processes, launch.resume_from, state.step))
     return trainer
 

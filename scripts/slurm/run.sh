@@ -43,8 +43,9 @@ trap save_and_requeue USR1
 # The recipe's overrides reach pretrain.py word for word ("$@", not $* inside a string: `--lr_scheduler_kwargs
 # '{min_lr: 0}'` stays one argument). SLURM_NODEID is expanded by each node's task, hence the single quotes.
 # One task per node, with all the CPUs this job has there (the allocation's tasks may sit two on one node).
+# recipes.launch is `accelerate launch` that exits with the ranks' own code (docs/run-safety.md), which Slurm records.
 srun --kill-on-bad-exit=1 --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" bash -c '
-  exec accelerate launch --config_file "$1" --num_machines "$5" --num_processes "$6" --machine_rank "$SLURM_NODEID" \
+  exec python -m recipes.launch --config_file "$1" --num_machines "$5" --num_processes "$6" --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$2" --main_process_port "$3" recipes/pretrain.py --config "$4" --resume auto \
     --metrics_host 0.0.0.0 "${@:7}"
 ' run.sh "$accelerate_config" "$head_ip" "$port" "$recipe" "$nodes" "$((nodes * per_node))" "$@" &

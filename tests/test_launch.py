@@ -1,0 +1,79 @@
+"""`python -m recipes.launch`: `accelerate launch` with the ranks' own exit code, a stop signal that lets them save, and
+a bad input said in one line (bare, the launcher exits 1 after a 35-line traceback, and 143 on SIGTERM)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from recipes.launch import LauncherTracebackFilter, run_exit_code, world_size_of
+from tests.conftest import CPU_ACCELERATE_CONFIG, LAUNCH_ENV, REFERENCE_RUN, REPO, free_port, start, tiny_overrides
+
+PRETRAIN = REPO / "recipes/pretrain.py"
+TORCHRUN_SUMMARY = (
+    b'Traceback (most recent call last):\n  File "/venv/accelerate/commands/launch.py", line 9, in <module>\n'
+    b"    main()\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    b"============================\nrecipes/pretrain.py FAILED\n----------------------------\n"
+    b"Failures:\n  <NO_OTHER_FAILURES>\n  exitcode  : 2 (pid: 12)\n============================\n"
+)
+
+
+def wrapped(args: list[str], num_processes: int = 2) -> list[str]:
+    return [sys.executable, "-m", "recipes.launch", "--config_file", str(CPU_ACCELERATE_CONFIG), "--num_processes",
+            str(num_processes), "--main_process_port", str(free_port()), str(PRETRAIN), *args]  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 100_000])
+def test_only_torchruns_own_traceback_is_left_out(chunk):
+    rank_traceback = b'Traceback (most recent call last):\n  File "recipes/x.py", line 3\n    f()\nValueError: boom\n'
+    kept = b"error: learning_rate 'x'\n50%|##   | 1/2\rTrace100%|#####| 2/2\n" + rank_traceback
+    text = kept + TORCHRUN_SUMMARY
+    lines = LauncherTracebackFilter()
+    out = b"".join(lines.feed(text[i : i + chunk]) for i in range(0, len(text), chunk)) + lines.close()
+    assert out == kept and lines.dropped
+    plain = LauncherTracebackFilter()
+    assert plain.feed(rank_traceback) + plain.close() == rank_traceback and not plain.dropped
+
+
+def test_the_runs_code_is_the_ranks():
+    assert run_exit_code({0: 0, 1: 0}, 2, 1) == 0  # saved and stopped: torchrun may still say 1 or 143
+    assert run_exit_code({0: 2, 1: 2}, 2, 1) == 2
+    assert run_exit_code({0: 0, 1: 4}, 2, 1) == 4
+    assert run_exit_code({0: 0}, 2, 1) == 1, "a rank that recorded nothing (killed, crashed) is the launcher's code"
+    assert run_exit_code({}, 2, 0) == 1
+    assert world_size_of(["--num_processes", "8", "x.py"]) == 8 and world_size_of(["--num_processes=16"]) == 16
+    assert world_size_of(["x.py", "--num_machines", "2"]) is None
+
+
+@pytest.mark.multiprocess
+def test_a_bad_input_through_the_launcher_is_one_line_and_exit_2(tmp_path, corpus):
+    args = tiny_overrides(corpus, tmp_path / "run", learning_rate="banana")
+    result = subprocess.run(wrapped(args), cwd=REPO, capture_output=True, text=True, timeout=300, env=LAUNCH_ENV)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "learning_rate" in errors[0], result.stderr
+    assert (
+        result.stderr.rstrip().splitlines()[-1] == "launch: exit 2 (bad input); the ranks' codes: rank 0: 2, rank 1: 2"
+    )
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_launch_saves_and_exits_0(tmp_path, corpus):
+    """A run started without Slurm and stopped with `kill PID` (of what was started): the ranks save and the launch
+    exits 0 (bare `accelerate launch` exits 143, and its torchrun SIGKILLs the ranks 30 s after the signal)."""
+    output_dir = tmp_path / "run"
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        job = start(wrapped(tiny_overrides(corpus, output_dir, **{**REFERENCE_RUN, "max_steps": 400})), stdout=log,
+                    stderr=log)  # fmt: skip
+        deadline = time.time() + 300
+        while "INFO pretrain: loss" not in log_path.read_text() and time.time() < deadline:
+            assert job.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        job.terminate()
+        assert job.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    log = log_path.read_text()
+    assert "launch: SIGTERM: asked" in log and "stop signal (SIGTERM/SIGUSR1): saved and exited" in log
+    assert (output_dir / "latest").read_text().startswith("checkpoint-") and (output_dir / "run_summary.json").exists()
