@@ -1,6 +1,7 @@
 """Throughput, memory and near-duplicate recall of the cleaning stage (`data_prep.clean`), on a corpus of real text.
 
     python -m benchmarks.clean_quality --input 'realtext/*.jsonl' --output /tmp/bench [--workers 2] [--copies 2000]
+    python -m benchmarks.clean_quality --input 'realtext/*.jsonl' --presets    # 3. only
 
 1. Throughput: the corpus cleaned with the shipped filters and dedup off (filters alone), then with dedup on too.
    MB/s per core = input MB / wall seconds / workers. Peak memory: the largest resident set of any one process of
@@ -13,6 +14,8 @@
    A false positive: a removed document that is neither an original nor a copy and shares
    under half of its word 5-grams (Jaccard) with every other document (checked exactly, not by MinHash); the rate is
    over the documents that are neither.
+3. With `--presets` (instead of 1 and 2): the corpus cleaned with each shipped preset as it is (filters and dedup):
+   the share of documents and bytes each step kept of what it saw, the share of the corpus kept, the warnings.
 Prints a table, then one JSON line.
 """
 
@@ -74,12 +77,16 @@ def plant(docs: list[tuple[str, str]], copies: int, folder: Path, rng: random.Ra
     return pairs
 
 
-def clean(inputs: list[str], output: Path, config: dict, workers: int) -> dict:
-    """One data_prep.clean run in a process of its own: wall seconds, peak RSS of its largest process, kept ids."""
-    config_path = output.with_suffix(".yaml")
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))  # the filters run in the order written
-    command = [sys.executable, "-m", "data_prep.clean", "--input", *inputs, "--output", str(output), "--config",
-               str(config_path), "--workers", str(workers)]  # fmt: skip
+def clean(inputs: list[str], output: Path, config: dict | str, workers: int) -> dict:
+    """One data_prep.clean run in a process of its own, with `config` or the preset of that name: wall seconds, peak
+    RSS of its largest process, kept ids."""
+    if isinstance(config, str):
+        chosen = ["--preset", config]
+    else:
+        chosen = ["--config", str(output.with_suffix(".yaml"))]
+        output.with_suffix(".yaml").write_text(yaml.safe_dump(config, sort_keys=False))  # filters run in this order
+    command = [sys.executable, "-m", "data_prep.clean", "--input", *inputs, "--output", str(output), *chosen,
+               "--workers", str(workers)]  # fmt: skip
     probe = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL)"
              ".returncode; print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")  # fmt: skip
     started = time.perf_counter()
@@ -159,6 +166,45 @@ def throughput(files: list[str], work: Path, workers: int) -> dict:
     return result
 
 
+def presets(files: list[str], work: Path, workers: int) -> dict:
+    """Each shipped preset on the corpus as it is: per step the share of documents and bytes kept of what it saw and
+    its most common removal reason (by bytes), then the share of the corpus kept."""
+    from data_prep.cleaning.config import PRESETS
+    from data_prep.cleaning.report import removed_bytes_by_reason
+
+    result = {}
+    for name in PRESETS:
+        run = clean(files, work / f"preset_{name}", name, workers)
+        report = json.loads((work / f"preset_{name}" / "clean_report.json").read_text())
+        read, steps = report["read"], {}
+        for step, tally in report["steps"].items():
+            reasons = removed_bytes_by_reason(tally)
+            steps[step] = {"docs_kept": tally["docs_out"] / max(tally["docs_in"], 1),
+                           "bytes_kept": tally["bytes_out"] / max(tally["bytes_in"], 1),
+                           "top_reason": max(reasons, key=reasons.get) if reasons else None}  # fmt: skip
+        result[name] = {
+            "docs": read["docs_out"],
+            "mb": read["bytes_out"] / 1e6,
+            "steps": steps,
+            "kept_docs": report["output"]["docs"] / max(read["docs_out"], 1),
+            "kept_bytes": report["output"]["bytes"] / max(read["bytes_out"], 1),
+            "warnings": report["warnings"],
+            "wall_s": run["wall_s"],
+        }
+    return result
+
+
+def print_presets(measured: dict) -> None:
+    for name, preset in measured.items():
+        print(f"--preset {name}: {preset['docs']:,} documents, {preset['mb']:.1f} MB in; kept "
+              f"{preset['kept_docs']:.1%} of the documents, {preset['kept_bytes']:.1%} of the bytes")  # fmt: skip
+        for step, kept in preset["steps"].items():
+            print(f"{step:>40}: kept {kept['docs_kept']:.1%} of documents / {kept['bytes_kept']:.1%} of bytes seen"
+                  f" (most removed: {kept['top_reason']})")  # fmt: skip
+        for warning in preset["warnings"]:
+            print(f"warning: {warning}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True, help="jsonl files or globs of real text")
@@ -166,11 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--copies", type=int, default=2000, help="near-copies planted for the recall measurement")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--presets", action="store_true", help="only the shipped presets' kept shares (3.)")
     args = parser.parse_args(argv)
     files = sorted({path for pattern in args.input for path in (glob.glob(pattern) or [pattern])})
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(args.output or scratch)
         work.mkdir(parents=True, exist_ok=True)
+        if args.presets:
+            measured = presets(files, work, args.workers)
+            print_presets(measured)
+            print(json.dumps({"presets": measured}))
+            return 0
         report = quality(files, args.copies, work, args.workers, random.Random(0))
         if not args.skip_throughput:
             report |= throughput(files, work, args.workers)

@@ -18,6 +18,37 @@ NEAR_DUPLICATES = "near_duplicates"  # the MinHash filter's audit folder and rem
 REPORT_JSON = "clean_report.json"
 REPORT_MD = "clean_report.md"
 EXAMPLE_MD_CHARS = 300
+# A warning (stderr, and `warnings` in the report) when the run removes more than this share of the bytes it read, or
+# one step more than STEP_WARNING of the bytes it saw: the web preset removed 90 % of real technical documentation
+# with exit 0 and no word (docs/data-cleaning.md, "Presets").
+RUN_WARNING = 0.5
+STEP_WARNING = 1 / 3
+# The argument that decides each removal reason: the key a warning says to loosen.
+REASON_KEYS = {
+    "unknown_characters": "max_share",
+    "dup_para_frac": "dup_para_frac",
+    "dup_para_char_frac": "dup_para_char_frac",
+    "dup_line_frac": "dup_line_frac",
+    "dup_line_char_frac": "dup_line_char_frac",
+    "gopher_short_doc": "min_doc_words",
+    "gopher_long_doc": "max_doc_words",
+    "gopher_below_avg_threshold": "min_avg_word_length",
+    "gopher_above_avg_threshold": "max_avg_word_length",
+    "gopher_too_many_hashes": "max_symbol_word_ratio",
+    "gopher_too_many_ellipsis": "max_symbol_word_ratio",
+    "gopher_too_many_bullets": "max_bullet_lines_ratio",
+    "gopher_too_many_end_ellipsis": "max_ellipsis_lines_ratio",
+    "gopher_below_alpha_threshold": "max_non_alpha_words_ratio",
+    "gopher_enough_stop_words": "min_stop_words",
+    "curly_bracket": "filter_curly_bracket",
+    "lorem_ipsum": "filter_lorem_ipsum",
+    "too_few_sentences": "min_num_sentences",
+    "line_punct_ratio": "line_punct_thr",
+    "short_line_ratio": "short_line_thr",
+    "char_dup_ratio": "char_duplicates_ratio",
+    "list_ratio": "new_line_ratio",
+}
+LINES_CUT = "lines cut from kept documents"  # C4's filter removes lines (and their indentation) from what it keeps
 
 
 def merge_audits(work: Path, step: str) -> dict:
@@ -60,12 +91,15 @@ def build_report(job, shards: list[str]) -> dict:
     steps = {label: merge_audits(work, label) for label in labels}
     corpus_docs, corpus_bytes = max(read["docs_out"], 1), max(read["bytes_out"], 1)
     for tally in steps.values():  # bytes: C4's filter also cuts lines out of the documents it keeps
+        tally["bytes_cut_from_kept"] = bytes_cut_from_kept(tally)
         tally["share_of_corpus"] = {"docs": (tally["docs_in"] - tally["docs_out"]) / corpus_docs,
                                     "bytes": (tally["bytes_in"] - tally["bytes_out"]) / corpus_bytes}  # fmt: skip
     last = steps[labels[-1]] if labels else read
     sizes = cluster_sizes(work / "minhash" / "clusters") if job.config.dedup.enabled else {}
-    return {
+    report = {
         "inputs": list(job.files),
+        "text_field": job.text_field,
+        "preset": job.preset,
         "config": job.config.to_dict(),
         "tasks": job.tasks,
         "read": {key: read[key] for key in ("docs_out", "bytes_out", "skipped", "skipped_examples", "corrupt_files")},
@@ -77,6 +111,101 @@ def build_report(job, shards: list[str]) -> dict:
         },
         "output": {"docs": last["docs_out"], "bytes": last["bytes_out"], "shards": shards},
     }
+    empty = no_document_kept(report)
+    report["warnings"] = [empty] * bool(empty) + clean_warnings(report)
+    return report
+
+
+def bytes_cut_from_kept(tally: dict) -> int:
+    """Bytes a step took out of the documents it kept (C4's filter drops short, javascript and policy lines, and
+    each line's indentation): neither a removed document's nor in the output."""
+    return tally["bytes_in"] - tally["bytes_out"] - sum(entry["bytes"] for entry in tally["removed"].values())
+
+
+def removed_bytes_by_reason(tally: dict) -> dict[str, int]:
+    """Bytes a step removed, by reason; what it cut from the documents it kept under LINES_CUT."""
+    removed = {reason: entry["bytes"] for reason, entry in tally["removed"].items()}
+    cut = bytes_cut_from_kept(tally)
+    return removed | ({LINES_CUT: cut} if cut > 0 else {})
+
+
+def no_document_kept(report: dict) -> str | None:
+    """Why the output holds no document (the command's error, exit 2, and the report's first warning); None when it
+    holds one. An empty output is almost surely a mistake: the wrong files, --text-field or thresholds."""
+    if report["output"]["docs"]:
+        return None
+    read = report["read"]
+    if not read["docs_out"]:
+        skipped = read["skipped"]
+        detail = f"{len(report['inputs'])} file(s), {sum(skipped.values()):,} records skipped"
+        if skipped:
+            most = max(skipped, key=skipped.get)
+            example = (read["skipped_examples"].get(most) or ["?"])[0]
+            detail += f": {', '.join(f'{reason} {count:,}' for reason, count in skipped.items())}; e.g. {example}"
+        return (f"the output holds no document: the input yielded none ({detail}); check the files' format and "
+                f"--text-field {report.get('text_field', 'text')}")  # fmt: skip
+    removed_docs = {step: tally["docs_in"] - tally["docs_out"] for step, tally in report["steps"].items()}
+    step = max(removed_docs, key=removed_docs.get)
+    reasons = report["steps"][step]["removed"]
+    reason = max(reasons, key=lambda name: reasons[name]["docs"]) if reasons else "?"
+    return (
+        f"the output holds no document: all {read['docs_out']:,} documents read were removed, most by {step} "
+        f"({removed_docs[step]:,}, most for {reason}); {_fix(report.get('preset'), step, reason)}"
+    )
+
+
+def _key_of(reason: str) -> str | None:
+    if reason.startswith("top_") and reason.endswith("_gram"):
+        return "top_n_grams"
+    if reason.startswith("duplicated_") and reason.endswith("_n_grams"):
+        return "dup_n_grams"
+    if reason == LINES_CUT:
+        return "min_words_per_line"
+    return REASON_KEYS.get(reason)
+
+
+def _fix(preset: str | None, step: str, reason: str) -> str:
+    """What to do about a step that removed too much."""
+    if step == NEAR_DUPLICATES:
+        return ("the input holds that many near-copies (the clusters are in the report); if they are wanted, set "
+                "dedup.enabled: false in a --config")  # fmt: skip
+    key = _key_of(reason)
+    loosen = f"filters.{step}.{key}" if key else f"filters.{step}"
+    if preset == "web":
+        return f"for books, documentation or prose with code use --preset curated; or loosen {loosen} in a --config"
+    if preset == "curated":
+        return f"loosen {loosen} in a copy of data_prep/cleaning/curated.yaml passed as --config"
+    return f"loosen {loosen} in your --config, or try --preset curated for books and documentation"
+
+
+def clean_warnings(report: dict) -> list[str]:
+    """A line for the run, if it removed over RUN_WARNING of the bytes read, and for each step that removed over
+    STEP_WARNING of the bytes it saw: its most common reason (by bytes), the share, and the fix."""
+    found, preset = [], report.get("preset")
+    worst = {}
+    for step, tally in report["steps"].items():
+        by_reason = removed_bytes_by_reason(tally)
+        if not by_reason or not tally["bytes_in"]:
+            continue
+        reason, reason_bytes = max(by_reason.items(), key=lambda item: item[1])
+        removed = tally["bytes_in"] - tally["bytes_out"]
+        worst[step] = (removed, reason)
+        if removed > STEP_WARNING * tally["bytes_in"]:
+            found.append(f"{step} removed {removed / tally['bytes_in']:.1%} of the bytes it saw ({_mb(removed)} of "
+                         f"{_mb(tally['bytes_in'])}), most for {reason} ({reason_bytes / removed:.0%} of them); "
+                         f"{_fix(preset, step, reason)}")  # fmt: skip
+    read = report["read"]["bytes_out"]
+    removed = read - report["output"]["bytes"]
+    if read and removed > RUN_WARNING * read and worst:
+        step, (step_removed, reason) = max(worst.items(), key=lambda item: item[1][0])
+        found.insert(0, f"the run removed {removed / read:.1%} of the bytes read ({_mb(removed)} of {_mb(read)}), "
+                        f"most by {step} ({_mb(step_removed)}, most for {reason}); "
+                        f"{_fix(preset, step, reason)}")  # fmt: skip
+    return found
+
+
+def _mb(count: int) -> str:
+    return f"{count / 1e6:,.2f} MB"
 
 
 def render_markdown(report: dict) -> str:
@@ -88,6 +217,7 @@ def render_markdown(report: dict) -> str:
         f"file(s); {output['docs']:,} documents ({output['bytes'] / 1e6:,.1f} MB) kept in {len(output['shards'])} "
         "shard(s) under `data/`.",
         "",
+        *(f"**Warning:** {warning}" + "\n" for warning in report.get("warnings", [])),
         *summary_table(report),
         "",
     ]
@@ -148,5 +278,6 @@ def cleaning_section(report_path: Path) -> list[str]:
         f"The inputs were cleaned by `data_prep.clean`: {read['docs_out']:,} documents in, {output['docs']:,} out. "
         f"Full report: [{REPORT_MD}]({report_path.with_name(REPORT_MD).as_uri()}).",
         "",
+        *(f"**Warning:** {warning}" + "\n" for warning in report.get("warnings", [])),
         *summary_table(report),
     ]

@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import errno
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +37,74 @@ PR_SET_PDEATHSIG = 1
 
 
 class CleanError(RuntimeError):
-    """A refusal or a failure the user can act on; the message says what and where."""
+    """A refusal or a failure the user can act on; the message says what and where. Exit 2: bad input, the same
+    command fails the same way until a person changes something (docs/data-cleaning.md, "Exit codes")."""
+
+    exit_code = 2
+
+
+class CleanCrashed(CleanError):
+    """A task process died (the OOM killer, a kill) or a task failed for a reason that is not its input's: exit 1,
+    the code a scheduler requeues on; the same command continues from the tasks that finished."""
+
+    exit_code = 1
+
+
+class OutputFull(CleanError):
+    """The output's filesystem is full (disk, quota, file-size limit): exit 4. Not the input's fault, and a rerun
+    fails again until someone makes room: a person must act, as for training's failed save (also 4)."""
+
+    exit_code = 4
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# Errors of the place, not of the moment: a directory this user cannot write, a read-only mount, a file in the way.
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR)
+
+
+def os_error_in(error: BaseException | None) -> OSError | None:
+    """The OSError that caused `error` (itself, or one along its chain of causes), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno is not None:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def output_error(error: BaseException, out: Path) -> CleanError | None:
+    """A full disk (OutputFull) or an output that cannot be written (CleanError, exit 2) as one line; None when
+    `error` is neither."""
+    cause = os_error_in(error)
+    if cause is None or cause.errno not in FULL + NOT_WRITABLE:
+        return None
+    where = cause.filename or "a file"
+    if cause.errno in NOT_WRITABLE:
+        if cause.filename and out not in (resolved := Path(cause.filename).resolve(), *resolved.parents):
+            return None  # not the output's: an input, the environment
+        return CleanError(f"--output {out}: cannot write {where} ({cause.strerror}); choose a directory this user can "
+                          "create and write, or fix its permissions")  # fmt: skip
+    existing = next(path for path in (out, *out.parents) if path.exists())
+    free_gb = shutil.disk_usage(existing).free / 1e9
+    return OutputFull(f"--output {out}: {cause.strerror} writing {where} ({free_gb:.1f} GB free); make room (or raise "
+                      "the quota or file-size limit) and run the same command again: it continues from the tasks that "
+                      "finished")  # fmt: skip
+
+
+def stage_failure(error: BaseException, stage: str, work: Path) -> CleanError:
+    """What a failed stage means for whoever runs the command again: a task's message about its input (exit 2), a
+    full or unwritable output (4, 2), or a task that died or crashed (1: run the same command again)."""
+    message = task_error(work)
+    if message:
+        return CleanError(message)
+    if isinstance(error, BrokenProcessPool):
+        return CleanCrashed(f"a task process of stage {stage} died (killed, or out of memory: see dmesg); run the same "
+                            "command again to continue")  # fmt: skip
+    return output_error(error, work.parent) or CleanCrashed(
+        f"stage {stage} failed ({type(error).__name__}: {error}); run the same command again to continue (the log: "
+        f"{work / LOG})"
+    )
 
 
 def settings_of(job: CleanJob) -> dict:
@@ -51,6 +120,50 @@ def settings_of(job: CleanJob) -> dict:
     }
 
 
+ABSENT = "absent"  # a setting or filter argument one of the two runs did not have
+
+
+def changed_settings(recorded: dict, settings: dict) -> list[str]:
+    """Each setting that differs, as `key: old -> new`, nested keys dotted (`config.filters.gopher_quality.
+    min_stop_words: absent -> 3`); the inputs as the files added and removed. The filter order only when the same
+    filters are chosen (a filter added or removed is named under config.filters)."""
+    changes = []
+    for key in settings:
+        if key == "inputs":
+            added = [path for path in settings[key] if path not in recorded.get(key, [])]
+            removed = [path for path in recorded.get(key, []) if path not in settings[key]]
+            if added or removed:
+                changes.append(f"inputs: {_few(removed)} removed, {_few(added)} added")
+            elif recorded.get(key) != settings[key]:
+                changes.append("inputs: the same files in another order")
+        elif key == "filter_order":
+            if sorted(recorded.get(key, [])) == sorted(settings[key]) and recorded.get(key) != settings[key]:
+                changes.append(f"filter_order: {', '.join(recorded[key])} -> {', '.join(settings[key])}")
+        else:
+            changes += _changed(key, recorded.get(key, ABSENT), settings[key])
+    return changes
+
+
+def _changed(key: str, old, new) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [change for name in [*old, *(name for name in new if name not in old)]
+                for change in _changed(f"{key}.{name}", old.get(name, ABSENT), new.get(name, ABSENT))]  # fmt: skip
+    return [] if old == new else [f"{key}: {_shown(key, old)} -> {_shown(key, new)}"]
+
+
+def _shown(key: str, value) -> str:
+    if value != ABSENT:
+        return json.dumps(value)
+    return "off" if key.startswith("config.filters.") and key.count(".") == 2 else ABSENT  # a filter left out is off
+
+
+def _few(paths: list[str], shown: int = 3) -> str:
+    if not paths:
+        return "none"
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(paths[:shown]) + more
+
+
 def prepare(job: CleanJob) -> bool:
     """Check `job` against what its output holds; True when the output is already complete. Records the settings
     and the inputs' fingerprints on a first start."""
@@ -61,10 +174,10 @@ def prepare(job: CleanJob) -> bool:
     settings = json.loads(json.dumps(settings_of(job)))  # as saved: tuples become lists
     if (work / SETTINGS).exists():
         recorded = json.loads((work / SETTINGS).read_text())
-        for key, value in settings.items():
-            if recorded.get(key) != value:
-                raise CleanError(f"--output {out} was started with other {key} ({recorded.get(key)!r}, now "
-                                 f"{value!r}); run the same command to continue it, or use a new --output")  # fmt: skip
+        changes = changed_settings(recorded, settings)
+        if changes:
+            raise CleanError(f"--output {out} was started with other settings: {'; '.join(changes)}; run the same "
+                             "command to continue it, or use a new --output")  # fmt: skip
         for path, before in zip(job.files, recorded["input_fingerprints"], strict=True):
             change = fingerprint_change(path, before)
             if change:
@@ -115,7 +228,10 @@ def run_stage(executor: LocalPipelineExecutor, workers: int) -> None:
                 child.kill()
         raise
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        # Waited for (its task processes have ended or been killed: milliseconds): a pool manager thread still
+        # closing its wake-up pipe at the interpreter's exit raced Python's exit hook writing to that pipe, and a
+        # successful run printed "OSError: [Errno 9] Bad file descriptor" (1 run in 40, Python 3.11).
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @contextlib.contextmanager
@@ -153,15 +269,12 @@ def run_local(job: CleanJob, workers: int, log=print) -> None:
                                              logging_dir=str(job.work / "stages" / stage.name))  # fmt: skip
             try:
                 run_stage(executor, workers)
-            except BrokenProcessPool:
-                raise CleanError(f"a task process of stage {stage.name} died (killed, or out of memory: see dmesg); "
-                                 "run the same command again to continue") from None  # fmt: skip
-            except Exception as error:  # a task failed: its own message when it left one
-                raise CleanError(task_error(job.work) or f"stage {stage.name} failed ({type(error).__name__}: "
-                                 f"{error}); see {job.work / LOG}") from None  # fmt: skip
+            except Exception as error:  # BrokenProcessPool included: a task process died
+                raise stage_failure(error, stage.name, job.work) from None
             missing = executor.get_incomplete_ranks()
             if missing:
-                raise CleanError(f"stage {stage.name}: tasks {missing[:10]} did not complete; see {job.work / LOG}")
+                raise CleanCrashed(f"stage {stage.name}: tasks {missing[:10]} did not complete; run the same command "
+                                   f"again (the log: {job.work / LOG})")  # fmt: skip
             log(f"{stage.name}: {stage.tasks} task(s) done in {time.perf_counter() - started:.1f} s")
 
 
@@ -252,4 +365,5 @@ def _squeue(ids: list[str], tries: int = 3) -> str:
         if listed.returncode == 0 or "Invalid job id" in listed.stderr:
             return listed.stdout if listed.returncode == 0 else ""
         time.sleep(5 * (attempt < tries - 1))
-    raise CleanError(f"squeue could not say whether this output's jobs still run ({listed.stderr.strip()}); try again")
+    raise CleanCrashed(f"squeue could not say whether this output's jobs still run ({listed.stderr.strip()}); try "
+                       "again")  # fmt: skip

@@ -46,6 +46,7 @@ class CleanJob:
     strict: bool = False
     skip_corrupt_files: bool = False
     keep_removed: bool = False
+    preset: str | None = "web"  # the shipped config chosen (--preset), None for the user's own (--config)
 
     @property
     def work(self) -> Path:
