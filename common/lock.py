@@ -123,13 +123,18 @@ class FileLock:
         self._fd: int | None = None
 
     def acquire(self) -> FileLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read(fd)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read(fd)
+                os.close(fd)
+                raise LockedError(f"{self.path} is held by {self.what} ({describe(holder)})") from None
+            # the last holder removes the file as it lets go (`release`): a lock on a removed file is no lock
+            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                break
             os.close(fd)
-            raise LockedError(f"{self.path} is held by {self.what} ({describe(holder)})") from None
         if not self.shared:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(_this_process()).encode(), 0)
@@ -137,9 +142,21 @@ class FileLock:
         return self
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Let go; the last holder removes the lock file, so finished work leaves none behind. (A shared holder is the
+        last when it can take the lock exclusively; a process that opened the file meanwhile finds it removed and
+        makes a new one.)"""
+        if self._fd is None:
+            return
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # other readers hold it: the last of them removes it
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                    os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None
 
     def __enter__(self) -> FileLock:
         return self.acquire()

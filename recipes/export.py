@@ -72,6 +72,7 @@ def export_checkpoint(
     overwrite: bool = False,
     verify: bool = True,
     run_may_hold_output: bool = False,
+    tokenizer=None,
 ) -> Path:
     """Write the Hugging Face model directory of a complete `checkpoint-N` to `output`; returns `output`.
 
@@ -80,7 +81,8 @@ def export_checkpoint(
     live run's rotation keeps it, and an exclusive lock on `output`, so a second export to it is refused. Nothing is
     published and no staging directory is left when anything fails. `--overwrite` never removes what the export
     reads: an output that is, holds or lies inside the run directory (`run_may_hold_output`: the run's `final/`),
-    the checkpoint or the tokenizer is refused."""
+    the checkpoint or the tokenizer is refused. A tokenizer read from disk must be the one the run trained with (its
+    content hash, recorded in every checkpoint); the live run passes the `tokenizer` it loaded at its start."""
     checkpoint, output = Path(checkpoint), Path(output)
     if (checkpoint / "export.json").is_file() and (checkpoint / "config.json").is_file():
         raise ConfigError(f"{checkpoint} is an exported model directory already (export.json): use it as it is")
@@ -107,7 +109,7 @@ def export_checkpoint(
                 if bad:
                     raise ConfigError(f"cannot export {checkpoint}: {bad[0]}" + (f" (and {len(bad) - 1} more)"
                                                                                  if bad[1:] else ""))  # fmt: skip
-            return _export(checkpoint, output, config, dtype, max_shard_size, tokenizer_dir)
+            return _export(checkpoint, output, config, dtype, max_shard_size, tokenizer_dir, tokenizer)
     except LockedError as error:
         raise ConfigError(f"--output {output}: {error}; wait for it to end or choose another --output") from None
     except OSError as error:  # e.g. a file deleted while read by a process that does not honour the pin
@@ -119,6 +121,9 @@ def export_checkpoint(
 def check_output(output: Path, overwrite: bool, reads: dict[str, Path]) -> None:
     """`output` must not exist (or `overwrite`), and must not be, hold or lie inside anything the export reads. A new
     directory inside the run directory is fine (an export beside its checkpoints); replacing one there is not."""
+    if output.is_symlink() and not output.exists():  # found now, not after the whole model has been written
+        raise ConfigError(f"--output {output} is a symbolic link to {os.readlink(output)}, which does not exist: "
+                          "remove the link, or give the directory it should point to")  # fmt: skip
     target = output.resolve()
     for what, path in reads.items():
         source = path.resolve()
@@ -130,6 +135,51 @@ def check_output(output: Path, overwrite: bool, reads: dict[str, Path]) -> None:
             raise ConfigError(f"--output {output} {relation} {what} ({path}): choose a directory apart from it")
     if output.exists() and not overwrite:
         raise ConfigError(f"--output {output} exists; choose a new directory or pass --overwrite")
+
+
+def _recorded_tokenizer_sha256(checkpoint: Path) -> str | None:
+    """The tokenizer content hash the checkpoint's run identity records (None before identities were recorded)."""
+    from recipes.training.resume import RUN_IDENTITY
+
+    path = checkpoint / RUN_IDENTITY
+    return json.loads(path.read_text()).get("tokenizer_sha256") if path.is_file() else None
+
+
+def _the_runs_tokenizer(checkpoint: Path, tokenizer_dir: Path):
+    """The tokenizer in `tokenizer_dir`, refused when it is not the one the run trained with (a tokenizer trained
+    again into the same directory would pair another vocabulary with the embeddings)."""
+    from data_prep.format import tokenizer_identity
+    from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(str(tokenizer_dir), "the run's tokenizer (--tokenizer)")
+    except TokenizerLoadError as error:
+        raise ConfigError(str(error)) from None
+    recorded, found = _recorded_tokenizer_sha256(checkpoint), tokenizer_identity(tokenizer, tokenizer_dir)["sha256"]
+    if recorded and recorded != found:
+        raise ConfigError(
+            f"tokenizer {tokenizer_dir} is not the one {checkpoint.name} was trained with (content sha256 "
+            f"{found[:12]}, {len(tokenizer):,} tokens; the run's: {recorded[:12]}): it was replaced since. Pass "
+            "--tokenizer with the run's own (its final/ or an earlier export carries it)"
+        )
+    return tokenizer
+
+
+def _warn_if_replaced(checkpoint: Path, tokenizer, tokenizer_dir: Path) -> None:
+    """The live run exports the tokenizer it trained with; a directory that now holds another one is said."""
+    from data_prep.format import tokenizer_identity
+    from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+
+    try:
+        on_disk = tokenizer_identity(load_tokenizer(str(tokenizer_dir), "tokenizer_name_or_path"), tokenizer_dir)
+    except TokenizerLoadError:
+        on_disk = None
+    if on_disk is None or on_disk["sha256"] != tokenizer_identity(tokenizer, tokenizer_dir)["sha256"]:
+        logger.warning(
+            "tokenizer_name_or_path %s no longer holds the tokenizer this run trained with (it was replaced or "
+            "removed while the run went on): final/ carries the run's own, loaded at its start; a resume from %s "
+            "will refuse the directory as it is", tokenizer_dir, checkpoint.name,
+        )  # fmt: skip
 
 
 def verified_problems(checkpoint: Path, skip_missing_rank_shards: bool) -> list[str]:
@@ -145,14 +195,13 @@ def verified_problems(checkpoint: Path, skip_missing_rank_shards: bool) -> list[
 
 
 def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, max_shard_size: str,
-            tokenizer_dir: Path) -> Path:  # fmt: skip
-    from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+            tokenizer_dir: Path, tokenizer=None) -> Path:  # fmt: skip
     from recipes.training.model import llama_config, with_token_ids
 
-    try:
-        tokenizer = load_tokenizer(str(tokenizer_dir), "the run's tokenizer (--tokenizer)")
-    except TokenizerLoadError as error:
-        raise ConfigError(str(error)) from None
+    if tokenizer is None:
+        tokenizer = _the_runs_tokenizer(checkpoint, tokenizer_dir)
+    else:
+        _warn_if_replaced(checkpoint, tokenizer, tokenizer_dir)
     model_config = with_token_ids(llama_config(config, len(tokenizer)), tokenizer)
     staging = checkpointing.export_staging(output)[0]
     if staging.exists():  # this process holds the lock: whoever wrote it is gone
@@ -306,7 +355,8 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
     with _abandoned_on_stop_signal(trainer.signals, source, run_dir / "final"):
         # the ranks hashed the checkpoint as they saved it: no second read of ~1 TB at 70B before final/
         final_dir = export_checkpoint(source, run_dir / "final", dtype=dtype, overwrite=True, verify=False,
-                                      run_may_hold_output=True)  # fmt: skip
+                                      run_may_hold_output=True, tokenizer=launch.inputs.tokenizer,
+                                      tokenizer_path=config.tokenizer_name_or_path)  # fmt: skip
     _write_record(config, launch, trainer, stop, peaks_by_host, source.name, final_dir)
 
 

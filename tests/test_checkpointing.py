@@ -187,3 +187,42 @@ def test_a_max_steps_below_the_reached_step_is_refused_naming_both(tmp_path):
     said = steps_problem(8, checkpoint)
     assert said.startswith("max_steps / total_tokens give 8 steps, but checkpoint-12 is at step 12")
     assert "Raise max_steps to continue it" in said
+
+
+def test_finished_work_leaves_no_lock_file_and_a_held_one_still_excludes(tmp_path):
+    """`.NAME.export-lock` and `.checkpoint-N.readers` stayed behind after every finished export (issue 37): the last
+    holder now removes the file as it lets go, and a process that opened the file meanwhile makes a new one."""
+    from common.lock import FileLock, LockedError, held_by_someone
+
+    pin = tmp_path / ".checkpoint-10.readers"
+    first, second = FileLock(pin, shared=True).acquire(), FileLock(pin, shared=True).acquire()
+    first.release()
+    assert pin.exists() and held_by_someone(pin), "another reader still holds it"
+    second.release()
+    assert not pin.exists()
+    lock = tmp_path / ".final.export-lock"
+    with FileLock(lock), pytest.raises(LockedError, match="is held by another export to this --output"):
+        FileLock(lock, what="another export to this --output").acquire()
+    assert not lock.exists()
+    # a lock taken on a file its last holder removed meanwhile is no lock: the taker makes a new file
+    import fcntl
+    import os
+
+    stale = os.open(lock, os.O_RDWR | os.O_CREAT)  # opened before the holder below lets go of (and removes) it
+    with FileLock(lock):
+        pass
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a lock on the removed file, which nobody else can see
+    with FileLock(lock):
+        assert lock.exists() and held_by_someone(lock)
+    os.close(stale)
+
+
+def test_an_export_to_a_dangling_link_is_refused_before_any_work(tmp_path):
+    """It wrote the whole model into staging before refusing (issue 37)."""
+    from recipes.config import ConfigError
+    from recipes.export import check_output
+
+    (tmp_path / "models").symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError, match="is a symbolic link to .*gone, which does not exist"):
+        check_output(tmp_path / "models", False, {"the checkpoint": tmp_path / "checkpoint-1"})
+    check_output(tmp_path / "new", False, {"the checkpoint": tmp_path / "checkpoint-1"})  # a plain new path is fine

@@ -166,3 +166,52 @@ def test_missing_parents_are_made_and_files_get_the_umask_modes(run, tmp_path):
     modes = {path.name: path.stat().st_mode & 0o777 for path in [output, *output.iterdir()]}
     assert modes.pop("step-40") == 0o755 and modes["model.safetensors"] == 0o644
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_a_tokenizer_trained_again_into_the_runs_directory_is_refused_and_a_live_run_exports_its_own(
+    run, tmp_path, trained_run, monkeypatch, caplog
+):
+    """`train_tokenizer --overwrite` into a live run's tokenizer directory once gave final/ a 512-token tokenizer
+    beside 1024-row embeddings, exit 0 (issue 37): the run now exports the tokenizer it trained with, and an export
+    from disk refuses a tokenizer that is not the run's."""
+    from transformers import AutoTokenizer
+
+    from data_prep.train_tokenizer import main as train_tokenizer
+    from recipes.config import config_from_dict
+    from recipes.export import export_run
+    from recipes.training.checkpointing import read_config
+
+    _, checkpoint, tokenizer_dir = run
+    replaced = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, replaced)
+    original = AutoTokenizer.from_pretrained(replaced)
+    train_tokenizer(["--input", str(trained_run["corpus"]["train"]), "--vocab-size", "512", "--output", str(replaced),
+                     "--overwrite"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"is not the one checkpoint-40 was trained with .* 512 tokens"):
+        export_checkpoint(checkpoint, tmp_path / "out", tokenizer_path=str(replaced))
+    assert not (tmp_path / "out").exists()
+    said = export(checkpoint, "--output", tmp_path / "out2", "--tokenizer", replaced)
+    assert said.returncode == 2 and said.stderr.count("\n") == 1, said.stderr
+
+    # the live run's own export: the tokenizer it loaded at its start, whatever the directory holds now
+    config = config_from_dict(read_config(checkpoint), "x")
+    config.output_dir, config.tokenizer_name_or_path = str(checkpoint.parent), str(replaced)
+
+    class Stub:  # what export_run uses of the trainer and the launch
+        state = type("State", (), {"step": 40, "best_checkpoint": None})()
+        accelerator = type("Accelerator", (), {"is_main_process": True})()
+        signals = type("Signals", (), {"received": None})()
+
+        def save(self):
+            return checkpoint
+
+    launch = type("Launch", (), {"inputs": type("Inputs", (), {"tokenizer": original})()})()
+    recorded = []
+    import recipes.export as export_module
+
+    monkeypatch.setattr(export_module, "_write_record", lambda *args: recorded.append(args))
+    with caplog.at_level("WARNING", logger="pretrain"):
+        export_run(config, launch, Stub(), stop=type("Stop", (), {"reason": None})())
+    assert f"tokenizer_name_or_path {replaced} no longer holds the tokenizer this run trained with" in caplog.text
+    assert len(AutoTokenizer.from_pretrained(checkpoint.parent / "final")) == len(original) == 1024
+    assert recorded, "the run's record is written after the export"
