@@ -244,3 +244,41 @@ def test_data_that_ends_before_max_steps_still_gets_its_last_step_evaluated_save
     summary = json.loads((output_dir / "run_summary.json").read_text())
     assert summary["steps"] == steps_per_pass and summary["stop_reason"].startswith("end of data")
     assert json.loads((output_dir / "final" / "export.json").read_text())["step"] == steps_per_pass
+
+
+def test_a_damaged_or_empty_universal_form_is_set_aside_and_converted_again(tmp_path, uninterrupted):
+    """Issue 37: one parameter folder missing from universal/ (a conversion by hand cut short) gave a DeepSpeed
+    traceback, exit 1, on every relaunch; an empty universal/pytorch_model (killed at its start) made the relaunch's
+    own conversion fail to publish ('Directory not empty'), every time. Both are found, kept aside, converted again;
+    with the rank shards gone too, the problem is named in one line."""
+    from recipes.training import elastic
+    from recipes.training.checkpointing import (
+        UNIVERSAL_DIR,
+        CheckpointError,
+        has_universal,
+        universal_problems,
+    )
+
+    checkpoint = tmp_path / "checkpoint-6"
+    shutil.copytree(uninterrupted / "checkpoint-6", checkpoint)
+    (checkpoint / UNIVERSAL_DIR / "pytorch_model").mkdir(parents=True)  # killed at its start
+    assert not has_universal(checkpoint) and "is missing or empty" in universal_problems(checkpoint)[0]
+    elastic.ensure_universal(checkpoint, OneProcess())
+    assert has_universal(checkpoint) and (checkpoint / elastic.DAMAGED).is_dir()
+
+    zero = checkpoint / UNIVERSAL_DIR / "pytorch_model" / "zero"
+    shutil.rmtree(zero / "model.layers.1.mlp.up_proj.weight")  # one parameter lost from a finished conversion
+    assert universal_problems(checkpoint)[0].endswith("model.layers.1.mlp.up_proj.weight/exp_avg.pt is missing")
+    (checkpoint / UNIVERSAL_DIR / "conversion.json").unlink()  # as a conversion by hand leaves it: no listing
+    assert universal_problems(checkpoint) == [
+        f"{zero}/model.layers.1.mlp.up_proj.weight/{state} is missing" for state in ("fp32.pt", "exp_avg.pt",
+                                                                                      "exp_avg_sq.pt")
+    ]  # fmt: skip
+    elastic.ensure_universal(checkpoint, OneProcess())
+    assert has_universal(checkpoint) and not universal_problems(checkpoint)
+
+    shutil.rmtree(zero / "model.layers.0.mlp.up_proj.weight")
+    for shard in (checkpoint / "pytorch_model").glob("*optim_states.pt"):
+        shard.unlink()
+    with pytest.raises(CheckpointError, match="has no ZeRO rank shards left to convert and no loadable universal"):
+        elastic.ensure_universal(checkpoint, OneProcess())

@@ -125,9 +125,53 @@ def resume_candidates(output_dir: str | Path, resume: str) -> list[Path]:
     return list(reversed(checkpoint_dirs(output_dir)))
 
 
+UNIVERSAL_LISTING = "conversion.json"  # in universal/, written last by the recipe's conversion: every file, its size
+UNIVERSAL_STATES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")  # one folder per parameter under universal/.../zero/
+
+
 def has_universal(directory: Path) -> bool:
-    """The checkpoint holds DeepSpeed's universal conversion (`universal/pytorch_model/zero/`)."""
-    return (Path(directory) / UNIVERSAL_DIR / "pytorch_model" / "zero").is_dir()
+    """The checkpoint holds a complete universal conversion (`universal/`, see `universal_problems`)."""
+    return (Path(directory) / UNIVERSAL_DIR).is_dir() and not universal_problems(directory)
+
+
+def universal_problems(directory: Path) -> list[str]:
+    """What is wrong with a checkpoint's `universal/`: against the listing the recipe's conversion wrote into it, or,
+    for one converted by hand (docs/slurm.md), against the parameters its rank shards name (every parameter's folder
+    with its weights and Adam moments). A conversion killed at its start leaves an empty one."""
+    directory = Path(directory)
+    root = directory / UNIVERSAL_DIR
+    zero = root / "pytorch_model" / "zero"
+    if not zero.is_dir() or not any(zero.iterdir()):
+        return [f"{zero} is missing or empty (a conversion that stopped at its start?)"]
+    if (root / UNIVERSAL_LISTING).is_file():
+        problems = []
+        for name, size in sorted(json.loads((root / UNIVERSAL_LISTING).read_text())["files"].items()):
+            path = root / name
+            if not path.is_file():
+                problems.append(f"{path} is missing")
+            elif path.stat().st_size != size:
+                problems.append(f"{path} has {path.stat().st_size} bytes; the conversion wrote {size}")
+        return problems
+    names = _shard_parameter_names(directory)
+    return [f"{zero / name / state} is missing" for name in names or [] for state in UNIVERSAL_STATES
+            if not (zero / name / state).is_file()]  # fmt: skip
+
+
+def universal_listing(root: Path) -> dict[str, int]:
+    """Every file under a universal conversion `root`, by relative path, with its size (what `universal_problems`
+    checks it against)."""
+    return {str(path.relative_to(root)): path.stat().st_size for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+def _shard_parameter_names(directory: Path) -> list[str] | None:
+    """The parameter names rank 0's ZeRO model states record (None when the rank shards are gone)."""
+    shards = sorted((directory / "pytorch_model").glob("zero_pp_rank_0_mp_rank_*_model_states.pt"))
+    if not shards:
+        return None
+    import torch
+
+    states = torch.load(shards[0], map_location="cpu", weights_only=False)
+    return [name for group in states.get("param_shapes", []) for name in group]
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ timeout."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ from recipes.training.checkpointing import CheckpointError
 logger = logging.getLogger("pretrain")
 
 STAGING = ".universal.tmp"
+DAMAGED = "universal.damaged"  # a universal/ that could not be loaded, kept aside
 FAILED = ".universal.failed"  # rank 0's error, for the ranks that wait (they cannot see its exception)
 POLL_S = 1.0
 
@@ -32,6 +34,12 @@ def convert(checkpoint: Path, workers: int | None = None) -> float:
     """`checkpoint`'s universal form, written atomically (rank 0). Returns the seconds it took."""
     started = time.perf_counter()
     staging = checkpoint / STAGING
+    if not any((checkpoint / "pytorch_model").glob("*optim_states.pt")):
+        message = (f"elastic: {checkpoint} has no ZeRO rank shards left to convert and no loadable universal/ "
+                   f"({'; '.join(checkpointing.universal_problems(checkpoint)[:1]) or 'none'}): resume from an earlier "
+                   "checkpoint (pass --resume_from_checkpoint) or restore its files")  # fmt: skip
+        (checkpoint / FAILED).write_text(message)
+        raise CheckpointError(message)
     workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
     command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                str(checkpoint / "pytorch_model"), "--output_folder", str(staging / "pytorch_model"),
@@ -45,10 +53,28 @@ def convert(checkpoint: Path, workers: int | None = None) -> float:
                    f"{tail[0]}")  # fmt: skip
         (checkpoint / FAILED).write_text(message)
         raise CheckpointError(message)
+    listing = {"files": checkpointing.universal_listing(staging)}
+    (staging / checkpointing.UNIVERSAL_LISTING).write_text(json.dumps(listing, indent=1))  # last: it marks complete
+    set_aside_damaged(checkpoint)
     os.replace(staging, checkpoint / checkpointing.UNIVERSAL_DIR)
     seconds = time.perf_counter() - started
     logger.info("elastic: %s converted in %.1f s", checkpoint.name, seconds)
     return seconds
+
+
+def set_aside_damaged(checkpoint: Path) -> None:
+    """A `universal/` that cannot be loaded (a conversion by hand cut short, a file lost since) is renamed to
+    `universal.damaged/` (replacing an older one), never deleted: it may be someone's only copy of what it holds."""
+    universal = checkpoint / checkpointing.UNIVERSAL_DIR
+    if not universal.exists():
+        return
+    problems = checkpointing.universal_problems(checkpoint)
+    aside = checkpoint / DAMAGED
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(universal, aside)
+    logger.warning("elastic: %s cannot be loaded (%s%s): set aside as %s, converting again", universal,
+                   problems[0] if problems else "incomplete", f", and {len(problems) - 1} more" if problems[1:] else "",
+                   aside.name)  # fmt: skip
 
 
 def wait_for_conversion(checkpoint: Path) -> None:
@@ -67,6 +93,7 @@ def ensure_universal(checkpoint: Path, accelerator) -> None:
     if accelerator.is_main_process:
         shutil.rmtree(checkpoint / STAGING, ignore_errors=True)
         (checkpoint / FAILED).unlink(missing_ok=True)
+        set_aside_damaged(checkpoint)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         convert(checkpoint)

@@ -180,6 +180,13 @@ def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: Train
     if saved_world != world_size:
         if not checkpointing.has_universal(path) and convert is not None:
             convert(path)
+        damaged = checkpointing.universal_problems(path) if (path / checkpointing.UNIVERSAL_DIR).exists() else []
+        if damaged:
+            raise CheckpointError(
+                f"cannot resume from {path}: its universal/ cannot be loaded: {damaged[0]}"
+                + (f" (and {len(damaged) - 1} more)" if damaged[1:] else "")
+                + ". Convert it again (move universal/ aside first), or set elastic: true to have the run do it"
+            )
         if not checkpointing.has_universal(path):
             raise CheckpointError(
                 f"{path} was written by {saved_world} processes, this launch has {world_size}. ZeRO-3 shards are "
