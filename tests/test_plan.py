@@ -184,7 +184,7 @@ def test_hardware_outside_its_physical_range_is_refused_in_one_line(capsys, args
 
 @pytest.mark.parametrize(
     ("script", "recipe"),
-    [("llama70b_1x8.sbatch", "llama70b_a800x8.yaml"), ("llama70b_2x8.sbatch", "llama70b_a800x16.yaml")],
+    [("llama70b_1x8.sbatch", "llama70b_a800x8.yaml"), ("llama70b.sbatch", "llama70b_a800x16.yaml")],
 )
 def test_the_sbatch_time_limit_signal_leaves_time_to_finish_a_step_and_save(script, recipe):
     import re
@@ -271,3 +271,50 @@ def test_leaf_layers_warn_when_the_prefetch_cannot_hold_the_next_one_and_the_adv
     per_module = load_config(RECIPE_8, ["--zero3_leaf_modules", "[]"])
     plan = planner.make_plan(per_module, planner.hardware_from(per_module), source, vocab_size=32_000)
     assert plan.hooked_modules == 723 and not [w for w in plan.warnings if "prefetch" in w]
+
+
+X16 = str(REPO / "recipes/configs/llama70b_a800x16.yaml")
+
+
+def test_a_deadline_gets_the_smallest_cluster_that_meets_it_or_says_none_can(capsys):
+    """`--tokens --days`: the smallest node count whose best configuration (the --search grid) trains the tokens in
+    time, every smaller one too slow; or, none meeting it, the fastest and the global batch a larger one needs."""
+    from recipes.planning.cli import main
+    from recipes.planning.deadline import clusters, smallest_meeting
+    from recipes.planning.hardware import hardware_from
+    from recipes.planning.plan import DEFAULT_DEEPSPEED_JSON
+
+    args = ["--config", X16, "--profile", "a800-sxm", "--global_batch_size", "4096", "--max-nodes", "1024"]
+    assert main([*args, "--tokens", "3.5e12", "--days", "90", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["met"] and answer["gpus"] == 8 * answer["nodes"] and answer["days"] <= 90
+    assert {"nodes", "gpus", "tokens_per_s", "days", "gpu_hours", "variant"} <= set(answer)
+    config = load_config(X16, ["--global_batch_size", "4096"])
+    hardware = hardware_from(config, profile="a800-sxm")
+    found = clusters(config, hardware, load_deepspeed_json(DEFAULT_DEEPSPEED_JSON), 1024)
+    assert [c.nodes for c in found] == answer["searched_nodes"] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert all(c.days(3.5e12) > 90 for c in found if c.nodes < answer["nodes"]), "every smaller cluster is too slow"
+    assert smallest_meeting(found, 3.5e12, 90).nodes == answer["nodes"]
+    assert answer["tokens_per_s"] == pytest.approx(3.5e12 / (answer["days"] * 86_400))
+
+    assert main(["--config", X16, "--tokens", "3.5e12", "--days", "30"]) == 0  # the recipe's own 128 rows
+    said = capsys.readouterr().out
+    assert (
+        "global_batch_size 128 rows allows 1, 2, 4, 8, 16 node(s)" in said and "none meets it; the fastest: 16" in said
+    )
+    assert "which only a global batch of at least" in said
+
+    assert (
+        main(["--config", str(REPO / "recipes/configs/llama70b_a800x8.yaml"), "--tokens", "1e12", "--days", "9"]) == 2
+    )
+    assert "need the network between them" in capsys.readouterr().err
+    assert main(["--config", X16, "--tokens", "1e12"]) == 2 and "with --days" in capsys.readouterr().err
+
+
+def test_search_ranks_every_node_count(capsys):
+    from recipes.planning.cli import main
+
+    assert main(["--config", X16, "--search", "--max-nodes", "16", "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["clusters"]
+    assert [c["nodes"] for c in ranked] == [16, 8, 4, 2, 1], "fastest first: with the global batch kept, more is faster"
+    assert all(a["tokens_per_s"] >= b["tokens_per_s"] for a, b in zip(ranked, ranked[1:]))  # noqa: B905

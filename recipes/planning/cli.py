@@ -4,7 +4,11 @@
         [--gpu-memory-gb 80] [--host-memory-gb 1536] [--peak-tflops 312] [--profile a800-pcie]
         [--interconnect ib200] [--intra-node-gb-s 20] [--inter-node-gbps 200] [--host-link-gb-s 20]
         [--host-memory-gb-s 200] [--compute-efficiency 0.6] [--overlap 0.3] [--mfu 0.45]
-        [--search] [--days N] [--json] [--key value ...]
+        [--search] [--days N] [--tokens T] [--max-nodes N] [--json] [--key value ...]
+
+With `--tokens T --days D`, the deadline: the smallest cluster of the recipe's node type (and ZeRO variant) that
+trains T tokens in D days, or the fastest when none of up to `--max-nodes` does (recipes.planning.deadline).
+`--search --max-nodes N` ranks the best configuration of every node count up to N.
 
 Hardware defaults come from the recipe's `hardware` block; recipe keys are overridden as in
 pretrain.py (`--total_tokens 2e12`). Pure arithmetic: nothing is allocated, so a 70B plan prints
@@ -30,6 +34,7 @@ from recipes.config import (
     load_config,
 )
 from recipes.config.deepspeed import load_deepspeed_json
+from recipes.planning.deadline import DEFAULT_MAX_NODES
 from recipes.planning.hardware import hardware_from
 from recipes.planning.plan import DEFAULT_DEEPSPEED_JSON, make_plan
 from recipes.planning.report import format_plan, format_reachable, json_summary, reachable
@@ -59,6 +64,10 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--search", action="store_true", help="rank the configurations that fit by tokens/s")
     parser.add_argument("--days", type=float, help="the tokens reachable in this many days, and the compute-optimal "
                         "model for that compute")  # fmt: skip
+    parser.add_argument("--tokens", type=float, help="with --days: the smallest cluster that trains this many tokens "
+                        "in that many days")  # fmt: skip
+    parser.add_argument("--max-nodes", type=int, help=f"the largest cluster --tokens/--days and --search consider "
+                        f"(default {DEFAULT_MAX_NODES} with --tokens)")  # fmt: skip
     parser.add_argument("--deepspeed-config", default=str(DEFAULT_DEEPSPEED_JSON))
     parser.add_argument("--json", action="store_true")
     return parser.parse_known_args(argv)
@@ -77,9 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.days is not None and (args.days <= 0 or not plan.expected_tokens_per_s):
             raise ConfigError(f"--days {args.days}: needs a positive number of days and a peak (--peak-tflops or "
                               "--profile)")  # fmt: skip
+        check_cluster_flags(args)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.tokens is not None or (args.search and args.max_nodes):
+        return cluster_answer(args, config, hardware, ds_config, plan)
     days = reachable(plan, args.days) if args.days is not None else None
     if args.search:
         from recipes.planning.search import format_search, search
@@ -97,6 +109,38 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**json_summary(plan), **(days or {})}))
     else:
         print(format_plan(plan, config) + ("\n" + format_reachable(days, plan) if days else ""))
+    return 0
+
+
+def check_cluster_flags(args) -> None:
+    if args.tokens is not None and (args.days is None or not args.tokens > 0):
+        raise ConfigError(f"--tokens {args.tokens}: give a positive token count, with --days (the deadline)")
+    if args.max_nodes is not None and args.max_nodes < 1:
+        raise ConfigError(f"--max-nodes {args.max_nodes}: must be at least 1")
+    if args.max_nodes is not None and args.tokens is None and not args.search:
+        raise ConfigError("--max-nodes goes with --tokens and --days (a deadline) or with --search")
+
+
+def cluster_answer(args, config, hardware, ds_config, plan) -> int:
+    """The deadline (--tokens, --days) or the ranking over node counts (--search --max-nodes)."""
+    from recipes.planning.deadline import clusters, deadline_answer, format_clusters, format_deadline
+
+    max_nodes = args.max_nodes or DEFAULT_MAX_NODES
+    try:
+        found = clusters(config, hardware, ds_config, max_nodes, vocab_size=plan.vocab_size)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    tokens = args.tokens or plan.total_steps * config.resolved_global_batch_size(hardware.gpus) * config.max_seq_length
+    if args.tokens is not None:
+        answer = deadline_answer(found, tokens, args.days, config, hardware, max_nodes)
+        print(json.dumps(answer) if args.json else format_deadline(answer, hardware))
+        return 0
+    if args.json:
+        print(json.dumps({"clusters": [cluster.summary(tokens) for cluster in
+                                       sorted(found, key=lambda cluster: -cluster.tokens_per_s)]}))  # fmt: skip
+    else:
+        print(format_clusters(found, tokens, hardware))
     return 0
 
 
