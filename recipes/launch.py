@@ -54,15 +54,16 @@ def read_exit_codes(directory: Path) -> dict[int, int]:
     return codes
 
 
-def run_exit_code(rank_codes: dict[int, int], world_size: int | None, launcher_code: int) -> int:
-    """The run's code: rank 0's when it failed, else the lowest failing rank's; 0 when every rank recorded 0; the
-    launcher's (at least 1) when a rank recorded nothing."""
+def run_exit_code(rank_codes: dict[int, int], local_ranks: int | None, launcher_code: int) -> int:
+    """The run's code on this node: its lowest failing rank's; 0 when every rank it started recorded 0 (the launcher
+    may still say 1, or die of the SIGTERM Slurm sends every process of a job step after the ranks saved); the
+    launcher's otherwise (a rank recorded nothing: killed, crashed), at least 1."""
     failing = sorted(rank for rank, code in rank_codes.items() if code != 0)
     if failing:
         return rank_codes[failing[0]]
-    if rank_codes and (world_size is None or len(rank_codes) >= world_size):
+    if rank_codes and (len(rank_codes) >= local_ranks if local_ranks else launcher_code == 0):
         return 0
-    return launcher_code or 1
+    return launcher_code if launcher_code > 0 else 1
 
 
 class LauncherTracebackFilter:
@@ -114,15 +115,29 @@ class LauncherTracebackFilter:
         return rest
 
 
-def world_size_of(argv: list[str]) -> int | None:
-    """`--num_processes N` (or `=N`) from the launcher's arguments, when given there (else the config file's)."""
-    for index, argument in enumerate(argv):
-        if argument == "--num_processes" and index + 1 < len(argv):
-            return int(argv[index + 1]) if argv[index + 1].isdigit() else None
-        if argument.startswith("--num_processes="):
-            value = argument.split("=", 1)[1]
-            return int(value) if value.isdigit() else None
-    return None
+def local_ranks_of(argv: list[str]) -> int | None:
+    """The processes this launch starts on its node: `--num_processes` / `--num_machines`, from the arguments or else
+    the `--config_file` YAML (None when neither says)."""
+    values = {}
+    for key in ("num_processes", "num_machines", "config_file"):
+        for index, argument in enumerate(argv):
+            if argument == f"--{key}" and index + 1 < len(argv):
+                values[key] = argv[index + 1]
+            elif argument.startswith(f"--{key}="):
+                values[key] = argument.split("=", 1)[1]
+    if "config_file" in values and Path(values["config_file"]).is_file():
+        import yaml
+
+        try:
+            from_file = yaml.safe_load(Path(values["config_file"]).read_text()) or {}
+        except yaml.YAMLError:
+            from_file = {}
+        for key in ("num_processes", "num_machines"):
+            values.setdefault(key, str(from_file.get(key, "")))
+    processes, machines = values.get("num_processes", ""), values.get("num_machines", "") or "1"
+    if not (processes.isdigit() and machines.isdigit()) or int(machines) < 1:
+        return None
+    return max(1, int(processes) // int(machines))
 
 
 def signal_ranks(launcher_pid: int, sig: int) -> int:
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.buffer.flush()
         launcher_code = launcher.wait()
         rank_codes = read_exit_codes(Path(codes_dir))
-    code = run_exit_code(rank_codes, world_size_of(argv), launcher_code)
+    code = run_exit_code(rank_codes, local_ranks_of(argv), launcher_code)
     if code or stderr.dropped:
         ranks = ", ".join(f"rank {rank}: {value}" for rank, value in sorted(rank_codes.items())) or "none recorded"
         print(f"launch: exit {code} ({MEANING.get(code, 'see the log above')}); the ranks' codes: {ranks}",

@@ -1,4 +1,4 @@
-"""A real Slurm cluster on this host for the tests: one controller and two compute "nodes" (n1, n2), started in a
+"""A real Slurm cluster on this host for the tests: one controller and three compute "nodes" (n1-n3), started in a
 scratch directory and stopped by their PID files. Needs Debian's slurm-wlm and munge, and root (.ci/run installs
 them); elsewhere the tests that use it are skipped with the reason."""
 
@@ -37,9 +37,10 @@ SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd.%n.log
 KillWait=10
 MinJobAge=300
-NodeName=n[1-2] NodeHostname={host} NodeAddr=127.0.0.1 Port=17001-17002 CPUs=2 RealMemory=2000 State=UNKNOWN
-PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
+NodeName=n[1-3] NodeHostname={host} NodeAddr=127.0.0.1 Port=17001-17003 CPUs=2 RealMemory=2000 State=UNKNOWN
+PartitionName=debug Nodes=n[1-3] Default=YES MaxTime=INFINITE State=UP
 """
+NODES = ("n1", "n2", "n3")
 
 
 def why_not() -> str | None:
@@ -57,7 +58,7 @@ def why_not() -> str | None:
 
 
 def _pid_files(root: Path) -> list[Path]:
-    return [root / "slurmd.n1.pid", root / "slurmd.n2.pid", root / "slurmctld.pid"]
+    return [*(root / f"slurmd.{node}.pid" for node in NODES), root / "slurmctld.pid"]
 
 
 def start(root: Path) -> None:
@@ -70,7 +71,7 @@ def start(root: Path) -> None:
     Path("/etc/slurm").mkdir(exist_ok=True)
     Path("/etc/slurm/slurm.conf").write_text(CONF.format(host=socket.gethostname(), root=root))
     subprocess.run(["slurmctld", "-c"], check=True)
-    for node in ("n1", "n2"):
+    for node in NODES:
         subprocess.run(["slurmd", "-N", node], check=True)
     deadline = time.time() + 60
     while time.time() < deadline:

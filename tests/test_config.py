@@ -163,11 +163,19 @@ def test_world_size_must_give_the_global_batch():
 
 def test_an_elastic_run_keeps_its_global_batch_on_any_world_size_that_can():
     config = load_config(REPO / "recipes/configs/llama70b_a800x16.yaml")
-    assert config.elastic, "the 2-node recipe continues on one node (its sbatch script asks for 1-2 nodes)"
+    assert config.elastic, "the multi-node recipe continues on fewer nodes (its sbatch script asks for a range)"
     assert [elastic_accumulation(config, world) for world in (16, 8, 4, 1)] == [4, 8, 16, 64]
     with pytest.raises(ConfigError) as error:
         elastic_accumulation(config, 12)
     assert "cannot be kept on 12 processes" in str(error.value) and "1, 2, 4, 8, 16, 32, 64" in str(error.value)
+    with pytest.raises(ConfigError, match=r"on 24 processes .* \(nodes of 8: 1, 2, 4, 8\)"):  # 3 nodes of 8 GPUs
+        elastic_accumulation(config, 24, per_node=8)
+    from recipes.config import usable_nodes
+
+    # Slurm may start a --nodes=4-8 job on any count in the range: the most that keep the batch train, the rest wait
+    assert [usable_nodes(config, given, 8) for given in (1, 2, 3, 5, 6, 7, 8, 9)] == [1, 2, 2, 4, 4, 4, 8, 8]
+    not_elastic = load_config(REPO / "recipes/configs/llama70b_a800x8.yaml")
+    assert usable_nodes(not_elastic, 3, 8) == 3
 
 
 def test_max_steps_is_derived_from_tokens_and_floored():

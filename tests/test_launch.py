@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from recipes.launch import LauncherTracebackFilter, run_exit_code, world_size_of
+from recipes.launch import LauncherTracebackFilter, local_ranks_of, run_exit_code
 from tests.conftest import CPU_ACCELERATE_CONFIG, LAUNCH_ENV, REFERENCE_RUN, REPO, free_port, start, tiny_overrides
 
 PRETRAIN = REPO / "recipes/pretrain.py"
@@ -36,14 +36,18 @@ def test_only_torchruns_own_traceback_is_left_out(chunk):
     assert plain.feed(rank_traceback) + plain.close() == rank_traceback and not plain.dropped
 
 
-def test_the_runs_code_is_the_ranks():
+def test_the_runs_code_is_the_ranks(tmp_path):
     assert run_exit_code({0: 0, 1: 0}, 2, 1) == 0  # saved and stopped: torchrun may still say 1 or 143
+    assert run_exit_code({1: 0}, 1, -15) == 0, "one node's rank saved; Slurm then SIGTERMed its launcher"
     assert run_exit_code({0: 2, 1: 2}, 2, 1) == 2
     assert run_exit_code({0: 0, 1: 4}, 2, 1) == 4
     assert run_exit_code({0: 0}, 2, 1) == 1, "a rank that recorded nothing (killed, crashed) is the launcher's code"
-    assert run_exit_code({}, 2, 0) == 1
-    assert world_size_of(["--num_processes", "8", "x.py"]) == 8 and world_size_of(["--num_processes=16"]) == 16
-    assert world_size_of(["x.py", "--num_machines", "2"]) is None
+    assert run_exit_code({}, 2, -9) == 1 and run_exit_code({0: 0}, None, 0) == 0
+    config = tmp_path / "accelerate.yaml"
+    config.write_text("num_machines: 2\nnum_processes: 16\n")
+    assert local_ranks_of(["--config_file", str(config), "x.py"]) == 8
+    assert local_ranks_of(["--config_file", str(config), "--num_machines", "3", "--num_processes", "3"]) == 1
+    assert local_ranks_of(["--num_processes=4", "x.py"]) == 4 and local_ranks_of(["x.py"]) is None
 
 
 @pytest.mark.multiprocess

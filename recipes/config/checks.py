@@ -228,18 +228,31 @@ def _validate_model_source(config: PretrainConfig) -> None:
             )
 
 
-def elastic_accumulation(config: PretrainConfig, world_size: int) -> int:
-    """gradient_accumulation_steps that keep global_batch_size on `world_size` processes (elastic runs)."""
+def elastic_accumulation(config: PretrainConfig, world_size: int, per_node: int = 1) -> int:
+    """gradient_accumulation_steps that keep global_batch_size on `world_size` processes (elastic runs); a count that
+    cannot is refused naming those that can, and the node counts of `per_node` processes among them."""
     per_step = config.per_device_train_batch_size * world_size
     if config.global_batch_size % per_step:
         fits = [n for n in range(1, config.global_batch_size + 1)
                 if config.global_batch_size % (config.per_device_train_batch_size * n) == 0]  # fmt: skip
+        nodes = [n // per_node for n in fits if n % per_node == 0]
+        in_nodes = f" (nodes of {per_node}: {', '.join(map(str, nodes)) or 'none'})" if per_node > 1 else ""
         raise ConfigError(
             f"elastic: global_batch_size {config.global_batch_size} cannot be kept on {world_size} processes "
             f"(per_device_train_batch_size {config.per_device_train_batch_size} x {world_size} does not divide it); "
-            f"process counts that keep it: {', '.join(map(str, fits[:12]))}{', ...' if fits[12:] else ''}"
+            f"process counts that keep it: {', '.join(map(str, fits[:12]))}{', ...' if fits[12:] else ''}{in_nodes}"
         )
     return config.global_batch_size // per_step
+
+
+def usable_nodes(config: PretrainConfig, given: int, per_node: int) -> int:
+    """The most of `given` nodes of `per_node` processes an elastic recipe can train on while keeping its global batch
+    (Slurm may start a job asked for --nodes=4-8 on 6: the recipe's 128 rows then train on 4 and 2 wait); all of them
+    for a recipe that is not elastic, and 0 when no count keeps it."""
+    if not config.elastic or not config.global_batch_size:
+        return given
+    micro = config.per_device_train_batch_size
+    return next((n for n in range(given, 0, -1) if config.global_batch_size % (micro * n * per_node) == 0), 0)
 
 
 def for_world(config: PretrainConfig, world_size: int) -> PretrainConfig:

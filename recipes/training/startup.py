@@ -85,7 +85,7 @@ def setup_distributed(config: PretrainConfig):
         )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if config.elastic:  # the global batch is the recipe's on any number of processes; accumulation follows
-        config.gradient_accumulation_steps = elastic_accumulation(config, world_size)
+        config.gradient_accumulation_steps = elastic_accumulation(config, world_size, local_world_size())
     validate_for_world(config, world_size)
     ds_config = deepspeed.resolve_deepspeed_config(deepspeed.load_deepspeed_json(ds_path), config, world_size)
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=deepspeed.zero3_init_requested())

@@ -21,8 +21,13 @@ port=$(( ${MAIN_PROCESS_PORT:-29500} + ${SLURM_RESTART_COUNT:-0} ))
 # recipe (elastic: true) keeps the global batch and converts the checkpoint when the world size changed.
 config_value() { grep -E "^$1:" "$accelerate_config" | head -n 1 | awk '{print $2}'; }
 per_node=$(( $(config_value num_processes) / $(config_value num_machines) ))
-nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
-echo "$(date -Is) job ${SLURM_JOB_ID:-?} start ${SLURM_RESTART_COUNT:-0}: $nodes node(s) x $per_node process(es)"
+given=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+# An elastic recipe trains on the most of these nodes that keep its global batch (6 given, 128 rows: 4 train).
+nodes=$(python -m recipes.nodes "$recipe" --given "$given" --per-node "$per_node" "$@" 2>/dev/null || echo "$given")
+echo "$(date -Is) job ${SLURM_JOB_ID:-?} start ${SLURM_RESTART_COUNT:-0}: $nodes node(s) x $per_node process(es)" \
+  "$([ "$nodes" = "$given" ] || echo "($given given: the global batch is kept on $nodes; the others wait)")"
+# The first $nodes nodes of the job, the head among them: their SLURM_NODEID are the machine ranks 0..nodes-1.
+nodelist=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n "$nodes" | paste -sd, -)
 
 # --signal=B:USR1@600 lands here, in the batch shell. Signal only the training ranks: their
 # handler saves a checkpoint at the next step boundary and exits 0. Signalling torchrun instead
@@ -30,7 +35,7 @@ echo "$(date -Is) job ${SLURM_JOB_ID:-?} start ${SLURM_RESTART_COUNT:-0}: $nodes
 save_and_requeue() {
   echo "$(date -Is) time limit near: asking every rank to save, then requeueing job $SLURM_JOB_ID"
   # On each node, the ranks of this job only (their environment names it): another job's ranks are left alone.
-  srun --overlap --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 bash -c '
+  srun --overlap --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 bash -c '
     for pid in $(pgrep -f -- "$1"); do
       tr "\0" "\n" < "/proc/$pid/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$2" && kill -USR1 "$pid"
     done
@@ -44,7 +49,7 @@ trap save_and_requeue USR1
 # '{min_lr: 0}'` stays one argument). SLURM_NODEID is expanded by each node's task, hence the single quotes.
 # One task per node, with all the CPUs this job has there (the allocation's tasks may sit two on one node).
 # recipes.launch is `accelerate launch` that exits with the ranks' own code (docs/run-safety.md), which Slurm records.
-srun --kill-on-bad-exit=1 --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" bash -c '
+srun --kill-on-bad-exit=1 --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" bash -c '
   exec python -m recipes.launch --config_file "$1" --num_machines "$5" --num_processes "$6" --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$2" --main_process_port "$3" recipes/pretrain.py --config "$4" --resume auto \
     --metrics_host 0.0.0.0 "${@:7}"
