@@ -4,7 +4,9 @@
 
 (a) the raw fast tokenizer called in batches on texts already in memory (both the transformers call and the
     `tokenizers` backend's `encode_batch_fast`; the faster counts as the raw ceiling);
-(b) our streaming tokenize-and-pack (`PackedTextStream`, what training reads from raw files), reading the file;
+(b) our streaming tokenize-and-pack (`PackedTextStream`, what training reads from raw files), reading the file, on one
+    thread as in training (against (a) on one thread: equal CPU), and through N dataloader workers (against (a) on
+    every core);
 (c) our offline preprocessing (`data_prep.preprocess`) with 1 and with N worker processes, shards written;
 (d) the `run_clm` approach: `datasets.load_dataset("json")`, `map(tokenize)`, `map(group_texts)`;
 (e) (c) with N workers and the filters on: 13-gram decontamination against an index the size of MMLU's and GSM8K's
@@ -29,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from statistics import median
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH_DOCS = 1000
@@ -62,12 +65,38 @@ def raw_tokenizer(texts, tokenizer) -> dict:
     return {"tokens": tokens, "transformers_s": transformers_s, "backend_s": backend_s}
 
 
-def streaming_pipeline(path: str, tokenizer, seq_len: int) -> tuple[int, float]:
+def streaming_pipeline(path: str, tokenizer, seq_len: int, workers: int = 0) -> tuple[int, float]:
+    """(rows, seconds) of `PackedTextStream` read to its end as training reads it: in this process (`workers` 0), or
+    through a DataLoader with `workers` worker processes, each tokenizing its share on one thread."""
+    from torch.utils.data import DataLoader
+
     from data_prep.stream import PackedTextStream
 
     stream = PackedTextStream([path], tokenizer, seq_len)
-    rows, seconds = timed(lambda: sum(1 for _ in stream))
-    return rows, seconds
+    if not workers:
+        return timed(lambda: sum(1 for _ in stream))
+    loader = DataLoader(stream, batch_size=None, num_workers=workers)
+    return timed(lambda: sum(1 for _ in loader))
+
+
+def one_thread():
+    """The Rust tokenizer on one thread, as in a training process (recipes/pretrain.py forces it, against the fork
+    hang) and in each of its dataloader workers; the variable is read at every call."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        before = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = before
+
+    return scope()
 
 
 def run_clm_approach(path: str, tokenizer, seq_len: int, cache_dir: str) -> tuple[int, float]:
@@ -181,10 +210,12 @@ def memory_check(path: Path, tokenizer_dir: str, seq_len: int, workers: int, scr
 def print_table(rate: dict, memory: dict, workers: int) -> None:
     print(f"{'method':<44}{'tokens/s':>12}{'x raw':>8}")
     labels = {
-        "raw_tokenizer_tokens_per_s": "(a) raw tokenizer, batched (faster call)",
+        "raw_tokenizer_tokens_per_s": "(a) raw tokenizer, batched, every core",
         "raw_transformers_call_tokens_per_s": "    transformers tokenizer(batch)",
         "raw_backend_encode_batch_fast_tokens_per_s": "    tokenizers encode_batch_fast",
-        "pipeline_tokens_per_s": "(b) streaming tokenize-and-pack",
+        "raw_tokenizer_1_thread_tokens_per_s": "(a) raw tokenizer, batched, 1 thread",
+        "pipeline_tokens_per_s": "(b) streaming tokenize-and-pack, 1 thread",
+        "pipeline_workers_tokens_per_s": f"(b) the stream, {workers} dataloader workers",
         "preprocess_1_worker_tokens_per_s": "(c) offline preprocess, 1 worker",
         "preprocess_tokens_per_s": f"(c) offline preprocess, {workers} workers",
         "run_clm_tokens_per_s": "(d) run_clm: datasets map + group_texts",
@@ -192,6 +223,8 @@ def print_table(rate: dict, memory: dict, workers: int) -> None:
     }
     for key, label in labels.items():
         print(f"{label:<44}{rate[key]:>12,.0f}{rate[key] / rate['raw_tokenizer_tokens_per_s']:>8.2f}")
+    equal = rate["pipeline_tokens_per_s"] / rate["raw_tokenizer_1_thread_tokens_per_s"]
+    print(f"at equal CPU, one thread each: the stream at {equal:.3f}x the raw tokenizer")
     if memory:
         print(
             f"preprocess peak memory (main + workers): {memory['preprocess_peak_rss_mb_10mb']:.0f} MB at 10 MB, "
@@ -209,6 +242,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="N for the N-worker preprocess")
     parser.add_argument("--memory-check", action="store_true", help="also compare peak memory at 10 MB and 200 MB")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating one-thread runs of (a) and (b); medians")
     return parser.parse_args(argv)
 
 
@@ -220,10 +254,19 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     texts = list(iter_texts(args.input))
-    raw = raw_tokenizer(texts, tokenizer)
+    raw = raw_tokenizer(texts, tokenizer)  # every core (the Rust thread pool)
     tokens = raw["tokens"]
     raw_s = min(raw["transformers_s"], raw["backend_s"])
-    _, pipeline_s = streaming_pipeline(args.input, tokenizer, args.seq_len)
+    with one_thread():  # equal CPU: one core each, alternating, medians (a shared machine's noise is ~20 %)
+        raw_ones, pipelines = [], []
+        for _ in range(args.repeats):
+            raw_ones.append(raw_tokenizer(texts, tokenizer))
+            pipelines.append(streaming_pipeline(args.input, tokenizer, args.seq_len)[1])
+        raw_one = {key: median([run[key] for run in raw_ones]) for key in ("transformers_s", "backend_s")}
+        pipeline_s = median(pipelines)
+        # as training reads raw text on N cores: N dataloader workers, each on one thread
+        _, pipeline_workers_s = streaming_pipeline(args.input, tokenizer, args.seq_len, args.workers)
+    raw_one_s = min(raw_one["transformers_s"], raw_one["backend_s"])
     with tempfile.TemporaryDirectory() as scratch:
         _, run_clm_s = run_clm_approach(args.input, tokenizer, args.seq_len, f"{scratch}/hf-cache")
         one, one_s = offline_preprocess(args.input, args.tokenizer, args.seq_len, 1, f"{scratch}/pre-1")
@@ -243,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         "raw_tokenizer_tokens_per_s": tokens / raw_s,
         "raw_transformers_call_tokens_per_s": tokens / raw["transformers_s"],
         "raw_backend_encode_batch_fast_tokens_per_s": tokens / raw["backend_s"],
+        "raw_tokenizer_1_thread_tokens_per_s": tokens / raw_one_s,
         "pipeline_tokens_per_s": tokens / pipeline_s,
+        "pipeline_workers_tokens_per_s": tokens / pipeline_workers_s,
         "run_clm_tokens_per_s": tokens / run_clm_s,
         "preprocess_1_worker_tokens_per_s": tokens / one_s,
         "preprocess_tokens_per_s": tokens / many_s,
@@ -254,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         **rate,
         "preprocess_workers": args.workers,
         "pipeline_vs_raw": rate["pipeline_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],
+        # equal CPU: the stream and the raw tokenizer each on one thread; N workers against the raw call on N cores
+        "pipeline_vs_raw_1_thread": rate["pipeline_tokens_per_s"] / rate["raw_tokenizer_1_thread_tokens_per_s"],
+        "pipeline_workers_vs_raw": rate["pipeline_workers_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],
+        "cores": os.cpu_count(),
+        "one_thread_repeats": args.repeats,
         "preprocess_n_vs_1_worker": rate["preprocess_tokens_per_s"] / rate["preprocess_1_worker_tokens_per_s"],
         "run_clm_vs_raw": rate["run_clm_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],
         "filtered_vs_plain_preprocess": rate["preprocess_filtered_tokens_per_s"] / rate["preprocess_tokens_per_s"],

@@ -34,10 +34,13 @@ def test_step_overhead_names_its_loops_before_launching_anything():
 
 def test_data_throughput_runs_every_method_on_a_small_corpus(tmp_path, corpus):
     report = run_benchmark("data_throughput", "--input", small_corpus(tmp_path, corpus, 40), "--tokenizer",
-                           str(corpus["tokenizer"]), "--seq-len", "64", "--workers", "2")  # fmt: skip
+                           str(corpus["tokenizer"]), "--seq-len", "64", "--workers", "2", "--repeats", "2")  # fmt: skip
+    assert report["one_thread_repeats"] == 2 and report["pipeline_vs_raw_1_thread"] > 0
     for key in (
         "raw_tokenizer_tokens_per_s",
+        "raw_tokenizer_1_thread_tokens_per_s",
         "pipeline_tokens_per_s",
+        "pipeline_workers_tokens_per_s",
         "preprocess_tokens_per_s",
         "run_clm_tokens_per_s",
         "preprocess_filtered_tokens_per_s",
@@ -71,6 +74,20 @@ def test_clean_quality_plants_copies_and_measures_them(tmp_path):
     assert report["false_positives"] == 0 and report["other_documents"] == 30 + 2 - 8  # + noise, - originals
     assert report["filters_kept_docs"] == 30 and report["filters_and_dedup_kept_docs"] == 30
     assert report["filters_mb_per_s_per_core"] > 0 and report["filters_and_dedup_peak_rss_mb"] > 0
+
+
+@pytest.mark.multiprocess
+def test_clean_quality_measures_what_each_preset_keeps(tmp_path):
+    from tests.test_clean import write_cleaning_corpus
+
+    corpus = write_cleaning_corpus(tmp_path / "raw", documents=30, copies=0)
+    measured = run_benchmark("clean_quality", "--input", *corpus["files"], "--presets", "--workers", "2")["presets"]
+    assert set(measured) == {"web", "curated"}
+    for preset in measured.values():  # both keep the 30 documents and remove the repetition and the garbled text
+        assert preset["docs"] == 32 and preset["kept_docs"] == pytest.approx(30 / 32) and preset["warnings"] == []
+        assert preset["steps"]["unknown_characters"]["top_reason"] == "unknown_characters"
+        assert preset["steps"]["gopher_repetition"]["docs_kept"] == pytest.approx(30 / 31)
+    assert "c4_quality" in measured["web"]["steps"] and "c4_quality" not in measured["curated"]["steps"]
 
 
 @pytest.mark.multiprocess
