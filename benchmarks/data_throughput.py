@@ -246,6 +246,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def equal_cpu(args, texts: list[str], tokenizer) -> tuple[float, float, float]:
+    """Seconds of the raw call and of the stream on one thread each (alternating, medians of `args.repeats`: a shared
+    machine's noise is ~20 %), and of the stream through N dataloader workers, each on one thread, as training reads
+    raw text on N cores."""
+    with one_thread():
+        raw_ones, pipelines = [], []
+        for _ in range(args.repeats):
+            raw_ones.append(raw_tokenizer(texts, tokenizer))
+            pipelines.append(streaming_pipeline(args.input, tokenizer, args.seq_len)[1])
+        _, workers_s = streaming_pipeline(args.input, tokenizer, args.seq_len, args.workers)
+    raw_one = min(median([run[key] for run in raw_ones]) for key in ("transformers_s", "backend_s"))
+    return raw_one, median(pipelines), workers_s
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
@@ -257,16 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = raw_tokenizer(texts, tokenizer)  # every core (the Rust thread pool)
     tokens = raw["tokens"]
     raw_s = min(raw["transformers_s"], raw["backend_s"])
-    with one_thread():  # equal CPU: one core each, alternating, medians (a shared machine's noise is ~20 %)
-        raw_ones, pipelines = [], []
-        for _ in range(args.repeats):
-            raw_ones.append(raw_tokenizer(texts, tokenizer))
-            pipelines.append(streaming_pipeline(args.input, tokenizer, args.seq_len)[1])
-        raw_one = {key: median([run[key] for run in raw_ones]) for key in ("transformers_s", "backend_s")}
-        pipeline_s = median(pipelines)
-        # as training reads raw text on N cores: N dataloader workers, each on one thread
-        _, pipeline_workers_s = streaming_pipeline(args.input, tokenizer, args.seq_len, args.workers)
-    raw_one_s = min(raw_one["transformers_s"], raw_one["backend_s"])
+    raw_one_s, pipeline_s, pipeline_workers_s = equal_cpu(args, texts, tokenizer)
     with tempfile.TemporaryDirectory() as scratch:
         _, run_clm_s = run_clm_approach(args.input, tokenizer, args.seq_len, f"{scratch}/hf-cache")
         one, one_s = offline_preprocess(args.input, args.tokenizer, args.seq_len, 1, f"{scratch}/pre-1")
@@ -275,10 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         filters = benchmark_sized_filters(texts)
         filtered, filtered_s = offline_preprocess(args.input, args.tokenizer, args.seq_len, args.workers,
                                                   f"{scratch}/pre-f", filters)  # fmt: skip
+        check = args.memory_check
         memory = (
-            memory_check(Path(args.input), args.tokenizer, args.seq_len, args.workers, Path(scratch))
-            if (args.memory_check)
-            else {}
+            memory_check(Path(args.input), args.tokenizer, args.seq_len, args.workers, Path(scratch)) if check else {}
         )
     assert one["num_document_tokens"] == tokens, "preprocess and the raw tokenizer must see the same tokens"
 
@@ -302,7 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         # equal CPU: the stream and the raw tokenizer each on one thread; N workers against the raw call on N cores
         "pipeline_vs_raw_1_thread": rate["pipeline_tokens_per_s"] / rate["raw_tokenizer_1_thread_tokens_per_s"],
         "pipeline_workers_vs_raw": rate["pipeline_workers_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],
-        "cores": os.cpu_count(),
         "one_thread_repeats": args.repeats,
         "preprocess_n_vs_1_worker": rate["preprocess_tokens_per_s"] / rate["preprocess_1_worker_tokens_per_s"],
         "run_clm_vs_raw": rate["run_clm_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],

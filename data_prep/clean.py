@@ -141,18 +141,7 @@ def parallelism_note(workers: int, tasks: int, files: int) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from common.lock import DirectoryLock, LockedError
-    from data_prep.cleaning.report import REPORT_JSON, REPORT_MD, no_document_kept, summary_table
-    from data_prep.cleaning.runner import (
-        CleanCrashed,
-        CleanError,
-        SlurmOptions,
-        live_slurm_jobs,
-        prepare,
-        run_local,
-        submit_slurm,
-        task_error,
-    )
-    from data_prep.cleaning.stages import remove_intermediates
+    from data_prep.cleaning.runner import CleanError, live_slurm_jobs
 
     job = build_job(args)
     check_output(Path(job.out))
@@ -161,31 +150,50 @@ def run(args: argparse.Namespace) -> int:
     except LockedError as error:
         raise CleanError(f"--output {error}") from None
     try:
-        if prepare(job):
-            remove_intermediates(job.work)  # again: a kill may have come between the report and their removal
-            empty = no_document_kept(json.loads((Path(job.out) / REPORT_JSON).read_text()))
-            if empty:
-                raise CleanError(empty)
-            print(f"{job.out} is already complete (same settings and inputs); nothing to do")
-            return 0
-        live = live_slurm_jobs(job.work)
-        if live:
-            raise CleanError(f"--output {job.out} is being cleaned by Slurm job(s) {', '.join(live)}; wait for them "
-                             "to end or scancel them")  # fmt: skip
-        if args.executor == "local":
-            note = parallelism_note(args.workers, job.tasks, len(job.files))
-            if note:  # with the progress lines on stdout, once nothing refused the run: stderr is for errors
-                print(note)
-            run_local(job, args.workers)
-        else:
-            options = SlurmOptions(args.partition, args.time, args.cpus_per_task, args.mem_per_cpu_gb, args.venv,
-                                   args.qos)  # fmt: skip
-            submit_slurm(job, options)
+        if not start(job, args):
+            return 0  # complete already
     finally:
         lock.release()
     if args.executor == "slurm" and args.wait:
         while live_slurm_jobs(job.work):
             time.sleep(5)
+    return finish(job, args)
+
+
+def start(job, args: argparse.Namespace) -> bool:
+    """Run the stages (local) or submit them (Slurm); False when the output is complete already. Under the lock."""
+    from data_prep.cleaning.report import REPORT_JSON, no_document_kept
+    from data_prep.cleaning.runner import CleanError, SlurmOptions, live_slurm_jobs, prepare, run_local, submit_slurm
+    from data_prep.cleaning.stages import remove_intermediates
+
+    if prepare(job):
+        remove_intermediates(job.work)  # again: a kill may have come between the report and their removal
+        empty = no_document_kept(json.loads((Path(job.out) / REPORT_JSON).read_text()))
+        if empty:
+            raise CleanError(empty)
+        print(f"{job.out} is already complete (same settings and inputs); nothing to do")
+        return False
+    live = live_slurm_jobs(job.work)
+    if live:
+        raise CleanError(f"--output {job.out} is being cleaned by Slurm job(s) {', '.join(live)}; wait for them "
+                         "to end or scancel them")  # fmt: skip
+    if args.executor == "local":
+        note = parallelism_note(args.workers, job.tasks, len(job.files))
+        if note:  # with the progress lines on stdout, once nothing refused the run: stderr is for errors
+            print(note)
+        run_local(job, args.workers)
+    else:
+        options = SlurmOptions(args.partition, args.time, args.cpus_per_task, args.mem_per_cpu_gb, args.venv,
+                               args.qos)  # fmt: skip
+        submit_slurm(job, options)
+    return True
+
+
+def finish(job, args: argparse.Namespace) -> int:
+    """The summary of a finished run, its warnings, and exit 2 when it kept nothing."""
+    from data_prep.cleaning.report import REPORT_JSON, REPORT_MD, no_document_kept, summary_table
+    from data_prep.cleaning.runner import CleanCrashed, CleanError, task_error
+
     report = Path(job.out) / REPORT_JSON
     if not report.exists():
         if args.executor == "slurm" and not args.wait:

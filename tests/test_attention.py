@@ -134,7 +134,8 @@ def test_the_check_prints_one_json_line_and_refuses_bad_input_in_one_line(capsys
     assert main(["--config", str(TINY_RECIPE), "--attn_implementation", "flash"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: attn_implementation 'flash'") and "\n" not in error
-    assert main(["--config", str(TINY_RECIPE), "--max_seq_length", "64"]) == 2  # no vocabulary anywhere
+    no_tokenizer = ["--tokenizer_name_or_path", str(tmp_path / "no_tokenizer")]
+    assert main(["--config", str(TINY_RECIPE), "--max_seq_length", "64", *no_tokenizer]) == 2  # no vocabulary anywhere
     assert "--vocab-size" in capsys.readouterr().err
     huge = ["--model_config.hidden_size", "8192", "--model_config.num_hidden_layers", "80",
             "--model_config.intermediate_size", "28672", "--model_config.num_attention_heads", "64"]  # fmt: skip
