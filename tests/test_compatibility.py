@@ -46,7 +46,10 @@ def test_a_checkpoint_of_the_old_code_resumes_bit_exactly(tmp_path, tmp_path_fac
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(tmp_path / "old", resumed_dir, ignore=shutil.ignore_patterns("checkpoint-4", "final"))
     (resumed_dir / "latest").write_text("checkpoint-2\n")
-    resumed = launch(REPO / "recipes/pretrain.py", [*args, "--output_dir", str(resumed_dir)])
+    # the tiny recipe's positions went 1024 -> 4096 since (room for real 5-shot prompts): a run-defining value, which
+    # the resume refuses to change under a run, so it resumes with the checkpoint's, as that refusal says
+    positions = ["--model_config.max_position_embeddings", "1024"]
+    resumed = launch(REPO / "recipes/pretrain.py", [*args, *positions, "--output_dir", str(resumed_dir)])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "checkpoint-2 at step 2" in resumed.stderr and "LlamaDecoderLayer gathered whole" in resumed.stderr
     assert train_losses(resumed_dir) == train_losses(tmp_path / "old")

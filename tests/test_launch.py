@@ -58,9 +58,9 @@ def test_a_bad_input_through_the_launcher_is_one_line_and_exit_2(tmp_path, corpu
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "learning_rate" in errors[0], result.stderr
-    assert (
-        result.stderr.rstrip().splitlines()[-1] == "launch: exit 2 (bad input); the ranks' codes: rank 0: 2, rank 1: 2"
-    )
+    # torchrun stops the other rank once one has failed, sometimes before it has recorded its own code
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("launch: exit 2 (bad input); the ranks' codes: rank ") and last.endswith(": 2"), last
 
 
 @pytest.mark.multiprocess

@@ -151,6 +151,7 @@ def test_another_world_size_without_elastic_names_both_ways_out(tmp_path, uninte
         data.close()  # its dataloader workers ignore SIGTERM: left alone they would keep pytest from exiting
     assert "set elastic: true (with global_batch_size) to convert it at start" in str(refused.value)
     assert f"ds_to_universal --input_folder {checkpoint}/pytorch_model" in str(refused.value)
+    assert f"--output_folder {checkpoint}/.universal.manual/pytorch_model && mv" in str(refused.value), "staged"
 
 
 def test_raw_text_positions_cannot_move_to_another_world_size(tmp_path, corpus, reference_run):

@@ -191,9 +191,10 @@ def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: Train
             raise CheckpointError(
                 f"{path} was written by {saved_world} processes, this launch has {world_size}. ZeRO-3 shards are "
                 "per rank: set elastic: true (with global_batch_size) to convert it at start, or convert it once "
-                f"with DeepSpeed's universal format, python -m deepspeed.checkpoint.ds_to_universal --input_folder "
-                f"{path}/pytorch_model --output_folder {path}/{checkpointing.UNIVERSAL_DIR}/pytorch_model , then "
-                "relaunch"
+                f"with DeepSpeed's universal format into a staging folder and move it into place when it has "
+                f"finished: python -m deepspeed.checkpoint.ds_to_universal --input_folder {path}/pytorch_model "
+                f"--output_folder {path}/.universal.manual/pytorch_model && mv {path}/.universal.manual "
+                f"{path}/{checkpointing.UNIVERSAL_DIR} , then relaunch"
             )
         logger.warning(
             "resume: %s was written by %d processes; loading its universal checkpoint on %d. Per-rank RNG states "
