@@ -36,3 +36,24 @@ def load_tokenizer(name_or_path: str, what: str):
     except (OSError, ValueError, ImportError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TokenizerLoadError(f"{what} {name_or_path}: cannot load it ({first_line})") from None
+
+
+def tokenizer_pin(directory: str | Path) -> Path:
+    """The file beside a tokenizer directory that a training run holds a shared flock on while it runs (see
+    `pin_tokenizer`): `train_tokenizer --overwrite` refuses a directory whose pin is held. Beside it, not in it: the
+    directory holds a tokenizer and nothing else, and its parent is where the tokenizer was written."""
+    directory = Path(directory)
+    return directory.parent / f".{directory.name}.readers"
+
+
+def pin_tokenizer(name_or_path: str):
+    """Hold the pin of a local tokenizer directory for as long as the returned lock lives (None: a hub name, or a
+    directory whose parent cannot take the pin file, such as a read-only mount)."""
+    from common.lock import FileLock, LockedError
+
+    if not Path(name_or_path).is_dir():
+        return None
+    try:
+        return FileLock(tokenizer_pin(name_or_path), shared=True, what="a run's tokenizer").acquire()
+    except (OSError, LockedError):
+        return None

@@ -17,7 +17,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from common.lock import held_by_someone
 from data_prep.readers import iter_texts, resolve_sources
+from data_prep.tokenizer_dir import tokenizer_pin
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -87,6 +89,10 @@ def check_output(output: Path, overwrite: bool) -> None:
     if not overwrite:
         raise ValueError(f"--output {output} already holds a tokenizer; pass --overwrite to replace it, or choose "
                          "a new directory")  # fmt: skip
+    if held_by_someone(tokenizer_pin(output)):
+        raise ValueError(f"--output {output} is the tokenizer of a training run that is running now (it holds "
+                         f"{tokenizer_pin(output)}): replacing it would give that run's checkpoints another "
+                         "vocabulary; train into a new directory")  # fmt: skip
 
 
 def publish(tokenizer: PreTrainedTokenizerFast, output: Path) -> None:

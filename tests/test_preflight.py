@@ -258,3 +258,34 @@ def test_a_leaf_class_the_model_does_not_have_is_refused_naming_the_classes_it_h
     assert said.startswith("zero3_leaf_modules: ['MixtralSparseMoeBlock'] match no module of this model"), said
     assert "LlamaDecoderLayer" in said and "[] hooks every module" in said
     assert preflight_refusal(corpus, tmp_path / "out2", zero3_leaf_modules="[]") == ""
+
+
+def test_a_running_runs_tokenizer_cannot_be_trained_over(corpus, tmp_path, capsys):
+    """`train_tokenizer --overwrite` into a live run's tokenizer directory replaced it, rc 0 (issue 37): preflight pins
+    the directory (a shared flock beside it, held while the run lives) and --overwrite refuses a pinned one."""
+    import shutil
+
+    from common.lock import held_by_someone
+    from data_prep.tokenizer_dir import tokenizer_pin
+    from data_prep.train_tokenizer import main as train_tokenizer
+    from recipes.config.deepspeed import load_deepspeed_json, resolve_deepspeed_config
+    from recipes.training.startup import preflight
+
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(corpus["tokenizer"], tokenizer)
+    config = load_config(TINY_RECIPE, tiny_overrides(corpus, tmp_path / "out", tokenizer_name_or_path=tokenizer)[2:])
+    ds_config = resolve_deepspeed_config(load_deepspeed_json(REPO / "accelerate_configs/deepspeed/zero3.json"),
+                                         config, world_size=2)  # fmt: skip
+    from types import SimpleNamespace
+
+    accelerator = SimpleNamespace(num_processes=2, process_index=0, is_main_process=True, is_local_main_process=True)
+    inputs = preflight(config, accelerator, ds_config)
+    assert held_by_someone(tokenizer_pin(tokenizer))
+    again = ["--input", str(corpus["train"]), "--vocab-size", "512", "--output", str(tokenizer), "--overwrite"]
+    with pytest.raises(SystemExit) as refused:
+        train_tokenizer(again)
+    assert refused.value.code == 2
+    assert "is the tokenizer of a training run that is running now" in capsys.readouterr().err
+    inputs.tokenizer_pin.release()  # the run ends
+    assert not tokenizer_pin(tokenizer).exists()
+    train_tokenizer([*again[:3], "300", *again[4:]])

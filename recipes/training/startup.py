@@ -16,7 +16,7 @@ from common.collectives import on_every_rank, on_main_process
 from common.hardware import cpu_has_native_bf16
 from common.process import local_world_size
 from data_prep.readers import resolve_sources
-from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer, pin_tokenizer
 from eval.harness import BenchmarkSettings
 from recipes.config import (
     ConfigError,
@@ -136,6 +136,7 @@ class RunInputs:
     benchmarks: BenchmarkSettings | None
     identity: dict  # what defines the run: a checkpoint of another run is not resumed (recipes.training.resume)
     predictions: dict  # the plan's step time, tokens/s and peak memory, put beside the measured ones at the end
+    tokenizer_pin: object = None  # held while the run lives: train_tokenizer --overwrite refuses this directory
 
 
 def bf16_emulation_warning(bf16: bool, cuda: bool, native_bf16: bool) -> str | None:
@@ -155,6 +156,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         tokenizer = load_tokenizer(config.tokenizer_name_or_path, "tokenizer_name_or_path")
     except TokenizerLoadError as error:
         raise ConfigError(str(error)) from None
+    pin = pin_tokenizer(config.tokenizer_name_or_path)
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer {config.tokenizer_name_or_path} has no EOS token; packing needs one")
     train_source = open_train_source(config, tokenizer, accelerator.num_processes)
@@ -205,6 +207,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         benchmarks,
         identity,
         plan_predictions(plan),
+        pin,
     )
 
 
