@@ -178,16 +178,17 @@ def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: Train
     if problem:
         raise CheckpointError(f"cannot resume from {path}: {problem}")
     if saved_world != world_size:
-        if not checkpointing.has_universal(path) and convert is not None:
-            convert(path)
-        damaged = checkpointing.universal_problems(path) if (path / checkpointing.UNIVERSAL_DIR).exists() else []
+        if convert is not None:
+            convert(path)  # a no-op when a loadable universal/ is there
+        present = (path / checkpointing.UNIVERSAL_DIR).exists()
+        damaged = checkpointing.universal_problems(path) if present else []  # one check: it may read rank shards
         if damaged:
             raise CheckpointError(
                 f"cannot resume from {path}: its universal/ cannot be loaded: {damaged[0]}"
                 + (f" (and {len(damaged) - 1} more)" if damaged[1:] else "")
                 + ". Convert it again (move universal/ aside first), or set elastic: true to have the run do it"
             )
-        if not checkpointing.has_universal(path):
+        if not present:
             raise CheckpointError(
                 f"{path} was written by {saved_world} processes, this launch has {world_size}. ZeRO-3 shards are "
                 "per rank: set elastic: true (with global_batch_size) to convert it at start, or convert it once "

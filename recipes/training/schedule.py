@@ -30,3 +30,15 @@ def lr_at_step(
     if lr_scheduler_type == "cosine_with_min_lr":
         return min_lr + (learning_rate - min_lr) * cosine
     raise ValueError(f"unknown lr_scheduler_type {lr_scheduler_type!r}")
+
+
+def recipe_lr(config, step: int, total_steps: int) -> float:
+    """`lr_at_step` with the recipe's learning rate, warmup, schedule type and `lr_scheduler_kwargs.min_lr`."""
+    return lr_at_step(
+        step,
+        learning_rate=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        total_steps=total_steps,
+        lr_scheduler_type=config.lr_scheduler_type,
+        min_lr=float(config.lr_scheduler_kwargs.get("min_lr", 0.0)),
+    )

@@ -305,16 +305,14 @@ def benchmark_settings(config: PretrainConfig) -> BenchmarkSettings | None:
 
 def data_passes(config: PretrainConfig, data, world: int) -> tuple[int, str]:
     """How many steps the data gives against the run's (recipes.training.train_data.passes_line)."""
-    from recipes.training.schedule import lr_at_step
+    from recipes.training.schedule import recipe_lr
     from recipes.training.train_data import passes_line
 
     total = config.total_steps(world)
     steps = data.steps_per_epoch
     end = min(total, steps * config.num_train_epochs) if steps is not None else total
-    lr = lr_at_step(max(end - 1, 0), learning_rate=1.0, warmup_steps=config.warmup_steps, total_steps=total,
-                    lr_scheduler_type=config.lr_scheduler_type,
-                    min_lr=float(config.lr_scheduler_kwargs.get("min_lr", 0.0)) / config.learning_rate)  # fmt: skip
-    return passes_line(steps, config.num_train_epochs, total, lr)
+    share = recipe_lr(config, max(end - 1, 0), total) / config.learning_rate
+    return passes_line(steps, config.num_train_epochs, total, share)
 
 
 @dataclass

@@ -195,8 +195,7 @@ class TrainData:
         self.num_workers = config.dataloader_num_workers
         self.num_epochs = config.num_train_epochs
         self.loader = build_loader(source, config, tokenizer, rank, world)
-        sampler = getattr(self.loader, "batch_sampler", None)
-        if isinstance(sampler, GlobalBatchSampler) and sampler.steps_per_epoch == 0:
+        if self.steps_per_epoch == 0:
             raise ConfigError(
                 f"train_files: {len(source)} preprocessed rows are fewer than one global batch of "
                 f"{config.resolved_global_batch_size(world)} rows: add data or lower the batch"

@@ -25,7 +25,7 @@ from recipes.training.checkpointing import Checkpointer, read_config, read_manif
 from recipes.training.interface import Control, StepResult, StepWindow
 from recipes.training.model import replay_cpu_adam_bias_correction
 from recipes.training.run_state import RunState, Stop, StopReason, StopSignals, TrainingFault
-from recipes.training.schedule import lr_at_step
+from recipes.training.schedule import recipe_lr
 from recipes.training.train_data import TrainData
 
 if TYPE_CHECKING:
@@ -154,14 +154,7 @@ class Trainer:
 
     def lr_for(self, step: int) -> float:
         """The learning rate of the optimizer step that has `step` completed steps before it."""
-        return lr_at_step(
-            step,
-            learning_rate=self.config.learning_rate,
-            warmup_steps=self.config.warmup_steps,
-            total_steps=self.total_steps,
-            lr_scheduler_type=self.config.lr_scheduler_type,
-            min_lr=float(self.config.lr_scheduler_kwargs.get("min_lr", 0.0)),
-        )
+        return recipe_lr(self.config, step, self.total_steps)
 
     def save(self) -> Path:
         """Checkpoint this step, unless the newest checkpoint already is this step (a collective)."""
