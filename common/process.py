@@ -63,8 +63,19 @@ def local_world_size() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident memory of this process's own program so far.
+
+    On Linux this is VmHWM, the high-water mark of the current address space: ru_maxrss survives exec, so a
+    command started from a 1 GB parent (a test runner, a notebook) would report the parent's 1 GB as its own.
+    Elsewhere ru_maxrss (bytes on macOS, KiB otherwise)."""
     import resource
 
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024

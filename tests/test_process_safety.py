@@ -108,3 +108,19 @@ def test_a_second_preprocessing_into_a_busy_output_stops_naming_the_holder(tmp_p
     error = capsys.readouterr().err
     assert "is in use by another preprocessing (host" in error and f"pid {holder.pid}" in error
     assert not (output / "data").exists(), "nothing was written"
+
+
+def test_a_command_reports_its_own_peak_memory_not_its_launchers(tmp_path):
+    """ru_maxrss survives exec: preprocessing started from a 1.1 GB test runner once recorded 1,147 MB as its own
+    main-process peak (the runner's), against 485 MB measured from outside."""
+    launcher = (
+        "import subprocess, sys\n"
+        "held = bytearray(600 * 2**20)\n"
+        "held[::4096] = b'x' * len(held[::4096])  # touched, so resident\n"
+        "print(subprocess.run([sys.executable, '-c', 'from common.process import peak_rss_bytes; "
+        "print(peak_rss_bytes() / 2**20)'], capture_output=True, text=True, check=True).stdout)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", launcher], cwd=REPO, capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    child_peak_mb = float(result.stdout)
+    assert 1 < child_peak_mb < 300, f"the child reported {child_peak_mb:.0f} MB, its launcher held 600 MB"
