@@ -44,11 +44,10 @@ class BenchmarkSettings:
     max_gen_toks: int | None = None  # GSM8K answer budget; None keeps lm-eval's (256)
     log_samples: bool = False  # every document's prompt, answers and scores in the results (`samples`)
 
-    def check(self, names: dict[str, str] | None = None, ranks: int = 1) -> None:
+    def check(self, names: dict[str, str] | None = None) -> None:
         """Before any expensive work: known task names, numbers that can work, and local data that loads with a
         few-shot split large enough. `names` maps the fields to what the user set (eval.run's flags by default).
-        Split over `ranks` (in the loop), every task needs a document for every rank: lm-eval's gather of a task's
-        scores waits forever for a rank that scored none of it."""
+        Any number of test documents works on any number of ranks (`eval.sharded`)."""
         from data_prep.benchmark_files import HUB_GSM8K_TRAIN_ROWS, HUB_MMLU_DEV_ROWS, gsm8k_split_rows, mmlu_split_rows
 
         names = {**FLAG_NAMES, **(names or {})}
@@ -62,27 +61,15 @@ class BenchmarkSettings:
                 raise ValueError(f"{names[key]} {value}: must be at least {low}" + (" or unset" if key in (
                     "limit", "max_gen_toks") else ""))  # fmt: skip
         pools = {}  # the smallest few-shot split of each task, and where it is
-        scored = {}  # documents each local task scores
         if "mmlu" in self.tasks:
             splits = mmlu_split_rows(self.mmlu_dir) if self.mmlu_dir else {}
             rows = {s: r["dev"] for s, r in splits.items()} or {"every subject": HUB_MMLU_DEV_ROWS}
             smallest = min(rows, key=rows.get)
             pools["mmlu"] = (rows[smallest], f"MMLU's dev split has {rows[smallest]} rows for {smallest}")
-            scored |= {f"MMLU subject {s} ({self.mmlu_dir})": r["test"] for s, r in splits.items()}
         if "gsm8k" in self.tasks:
             splits = gsm8k_split_rows(self.gsm8k_dir) if self.gsm8k_dir else {"train": HUB_GSM8K_TRAIN_ROWS}
             train = splits["train"]
             pools["gsm8k"] = (train, f"GSM8K's train split (its few-shot examples) has {train} rows")
-            if "test" in splits:
-                scored[f"GSM8K ({self.gsm8k_dir})"] = splits["test"]
-        for task, documents in scored.items():
-            documents = min(documents, self.limit or documents)
-            if documents < ranks:
-                raise ValueError(
-                    f"{task} scores {documents} document(s) but the benchmarks are split over {ranks} processes: "
-                    f"lm-eval waits forever for a process that has none. Give every task at least {ranks} test "
-                    f"documents (and {names['limit']} >= {ranks}), or leave the subject out"
-                )
         for pool, where in pools.values():
             if self.num_fewshot > pool:
                 raise ValueError(f"{names['num_fewshot']} {self.num_fewshot}: {where}, so at most {pool} examples "
@@ -191,9 +178,11 @@ def evaluate(
     if world_size > 1:
         from eval.sharded import same_prompts_as_one_rank, sharded_lm_class
 
-        lm_class, sharding = sharded_lm_class(lm_class), same_prompts_as_one_rank(rank, world_size)
+        lm_class = sharded_lm_class(lm_class)
         model_args = {**model_args, "rank": rank, "world_size": world_size}
     lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, **model_args)
+    if world_size > 1:
+        sharding = same_prompts_as_one_rank(rank, world_size, lm.stand_in_tasks)
     gen_kwargs = {"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks is not None else None
     names = task_names(settings)
     hub = any(not name.endswith("_local") and not name.startswith("mmlu_local") for name in names)

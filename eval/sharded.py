@@ -10,6 +10,12 @@ distinct contexts runs fewer batches). So before its first forward each rank all
 its own batches, runs one-token dummy forwards (and one-token dummy generations, which `synced_gpus` keeps stepping
 while another rank still generates) up to the largest count.
 
+Fewer documents than ranks (a small subject file, `eval_limit` below the world size): lm-eval's split assumes every
+rank holds a document of every task (it indexes a task's first request, and rank 0 reads every metric from every
+rank's scores), so a rank with none used to stop in an error while rank 0 waited in the gather of scores, forever.
+Such a rank scores the task's first document as a stand-in, taking part in every step, and sends empty scores for it
+(`ShardedLM.gather_object`): the results are those of the documents once each.
+
 Few-shot prompts: lm-eval draws GSM8K's examples from one seeded stream, consumed document by document, so a rank
 that builds only its own documents' prompts draws other examples than one process would. `same_prompts_as_one_rank`
 makes every rank build the one-process requests and keep its share, so the prompts and the scores are those of a
@@ -21,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 
 
 @functools.cache
@@ -40,6 +47,7 @@ def sharded_lm_class(base):
             super().__init__(*args, **kwargs)  # a live model: HFLM takes the model's device and says rank 0 of 1
             self._rank, self._world_size = rank, world_size
             self.dummy_forwards = 0  # padding forwards this rank ran, for tests and logs
+            self.stand_in_tasks: set[str] = set()  # tasks this rank scores a stand-in document of (filled below)
 
         def all_gather(self, tensor):
             pieces = [torch.zeros_like(tensor.reshape(1)) for _ in range(self.world_size)]
@@ -48,6 +56,16 @@ def sharded_lm_class(base):
 
         def barrier(self):
             dist.barrier()
+
+        def gather_object(self, obj, dst=0):
+            # lm-eval gathers {task: [logged samples]} and {task: {(metric, filter): [values]}}; a stand-in
+            # task's entries go empty, their keys kept (rank 0 reads every key it has from every rank)
+            if isinstance(obj, dict):
+                obj = {task: (({key: [] for key in value} if isinstance(value, dict) else [])
+                              if task in self.stand_in_tasks else value) for task, value in obj.items()}  # fmt: skip
+            gathered = [None] * self.world_size if self.rank == dst else None
+            dist.gather_object(obj, gathered, dst=dst)
+            return gathered
 
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
             # the batches lm-eval will form: one per `batch_size` distinct contexts (its logits cache)
@@ -81,31 +99,38 @@ def sharded_lm_class(base):
 
 
 @contextlib.contextmanager
-def same_prompts_as_one_rank(rank: int, world_size: int):
+def same_prompts_as_one_rank(rank: int, world_size: int, stand_in_tasks: set[str]):
     """While active, every lm-eval task builds the requests of a one-process evaluation (the same few-shot draws)
-    and keeps those of its documents with `doc_id % world_size == rank`: the share `evaluate()` expects of it.
+    and keeps those of its documents with `doc_id % world_size == rank`: the share `evaluate()` expects of it. A task
+    with no document for this rank gets its first document as a stand-in, and its name in `stand_in_tasks`.
 
     The one-process requests of a task are built once and kept on the task (a full MMLU + GSM8K build takes ~30 s on
     every rank): later evaluations with the same settings get fresh copies of them."""
     from lm_eval.api.task import Task
 
-    original = Task.build_all_requests
+    original_build, original_docs = Task.build_all_requests, Task.doc_iterator
 
     def build_all_requests(self, **kwargs):
         settings = {key: value for key, value in kwargs.items() if key not in ("rank", "world_size")}
         key = (self.config.num_fewshot, repr(sorted(settings.items())))
         kept = self.__dict__.setdefault("_one_rank_requests", {})
         if key not in kept:
-            original(self, **settings, rank=0, world_size=1)
+            original_build(self, **settings, rank=0, world_size=1)
             kept[key] = self._instances
-        self._instances = [
-            dataclasses.replace(instance, resps=[], filtered_resps={})
-            for instance in kept[key]
-            if instance.doc_id % world_size == rank
-        ]
+        mine = [instance for instance in kept[key] if instance.doc_id % world_size == rank]
+        stand_in_tasks.discard(self.config.task)
+        if not mine and kept[key]:
+            mine = [instance for instance in kept[key] if instance.doc_id == kept[key][0].doc_id]
+            stand_in_tasks.add(self.config.task)
+        self._instances = [dataclasses.replace(instance, resps=[], filtered_resps={}) for instance in mine]
 
-    Task.build_all_requests = build_all_requests
+    def doc_iterator(self, *, rank: int = 0, limit=None, world_size: int = 1, samples=None):
+        if self.config.task in stand_in_tasks:  # the stand-in's document, which lm-eval pairs with its requests
+            return itertools.islice(original_docs(self, rank=0, limit=limit, world_size=1, samples=samples), 1)
+        return original_docs(self, rank=rank, limit=limit, world_size=world_size, samples=samples)
+
+    Task.build_all_requests, Task.doc_iterator = build_all_requests, doc_iterator
     try:
         yield
     finally:
-        Task.build_all_requests = original
+        Task.build_all_requests, Task.doc_iterator = original_build, original_docs

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from eval import fixtures
-from tests.conftest import REPO, TINY_RECIPE, launch
+from tests.conftest import LAUNCH_ENV, REPO, TINY_RECIPE, launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -16,31 +16,20 @@ def samples_of(directory) -> dict:
     return {(r["task"], r["doc_id"], r["filter"]): r for r in records}
 
 
+def evaluate_on(ranks: int, output, model, data, limit: int = 5, timeout_s: int = 600):
+    overrides = ["--model_name_or_path", str(model), "--model_config", "{}", "--tokenizer_name_or_path", str(model),
+                 "--output_dir", str(output / "run"), "--global_batch_size", "null", "--bf16", "false"]  # fmt: skip
+    result = launch(REPO / "tests/scripts/eval_in_loop.py",
+                    [str(TINY_RECIPE), str(output), str(data["mmlu_csv"]), str(data["gsm8k_jsonl"]), *overrides],
+                    num_processes=ranks, timeout_s=timeout_s, env={**LAUNCH_ENV, "EVAL_LIMIT": str(limit)})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return output
+
+
 def test_two_ranks_score_every_document_as_one_rank(tmp_path, trained_run):
     data = fixtures.write(tmp_path / "eval_data")
     model = trained_run["dir"] / "final"
-    runs = {}
-    for ranks in (1, 2):
-        output = tmp_path / f"ranks{ranks}"
-        overrides = [
-            "--model_name_or_path",
-            str(model),
-            "--model_config",
-            "{}",
-            "--tokenizer_name_or_path",
-            str(model),
-            "--output_dir",
-            str(output / "run"),
-            "--global_batch_size",
-            "null",
-            "--bf16",
-            "false",
-        ]
-        result = launch(REPO / "tests/scripts/eval_in_loop.py",
-                        [str(TINY_RECIPE), str(output), str(data["mmlu_csv"]), str(data["gsm8k_jsonl"]), *overrides],
-                        num_processes=ranks)  # fmt: skip
-        assert result.returncode == 0, result.stderr[-4000:]
-        runs[ranks] = output
+    runs = {ranks: evaluate_on(ranks, tmp_path / f"ranks{ranks}", model, data) for ranks in (1, 2)}
     one, two = samples_of(runs[1]), samples_of(runs[2])
     assert one.keys() == two.keys() and len({key[:2] for key in one}) == 2 * 5 + 5  # 2 MMLU subjects and GSM8K, 5 each
     for key, record in one.items():
@@ -65,3 +54,29 @@ def test_two_ranks_score_every_document_as_one_rank(tmp_path, trained_run):
     # with one dummy forward; GSM8K's padded request keeps both at 2 generate calls
     dummies = [json.loads((runs[2] / f"rank-{rank}.json").read_text())["dummy"] for rank in (0, 1)]
     assert dummies == [0, 1]
+
+
+def test_tasks_with_fewer_documents_than_ranks_are_scored_and_nothing_hangs(tmp_path, trained_run):
+    """Issue 37: split over 2 ranks, an MMLU subject with one test document hung the in-loop benchmarks (the rank with
+    no document stopped in lm-eval's `task.instances[0]` while rank 0 waited in the gather of scores, 8 minutes, then
+    the watchdog). Now the rank with none scores a stand-in and sends nothing for it: a subject of 1 document and
+    `eval_limit 1` give one rank's scores and records, in seconds."""
+    data = fixtures.write(tmp_path / "eval_data", test_per_subject=4, gsm8k_test=4)
+    subject = data["mmlu_csv"] / "test" / f"{fixtures.SUBJECTS[0]}_test.csv"
+    subject.write_text(subject.read_text().splitlines(keepends=True)[0])  # one test document
+    model = trained_run["dir"] / "final"
+    runs = {ranks: evaluate_on(ranks, tmp_path / f"ranks{ranks}", model, data, limit=1, timeout_s=300)
+            for ranks in (1, 2)}  # fmt: skip
+    one, two = samples_of(runs[1]), samples_of(runs[2])
+    assert one.keys() == two.keys() and {key[:2] for key in one} == {
+        (f"mmlu_local_{s}", 0) for s in fixtures.SUBJECTS} | {("gsm8k_local", 0)}, "each document once"  # fmt: skip
+    for key, record in one.items():
+        assert record["arguments"] == two[key]["arguments"], key
+    results = [json.loads((runs[n] / "eval" / "step-0.json").read_text()) for n in (1, 2)]
+    assert results[0]["n-samples"] == results[1]["n-samples"]
+    assert all(n["effective"] == 1 for n in results[1]["n-samples"].values()), results[1]["n-samples"]
+    scores = {n: json.loads((runs[n] / "rank-0.json").read_text())["scores"] for n in (1, 2)}
+    assert scores[2] and scores[1]["mmlu/acc"] == pytest.approx(scores[2]["mmlu/acc"])
+    assert scores[1]["gsm8k/exact_match_strict"] == pytest.approx(scores[2]["gsm8k/exact_match_strict"])
+    stand_ins = [json.loads((runs[2] / f"rank-{rank}.json").read_text())["stand_ins"] for rank in (0, 1)]
+    assert stand_ins == [[], sorted([f"mmlu_local_{s}" for s in fixtures.SUBJECTS] + ["gsm8k_local"])]

@@ -265,11 +265,6 @@ def for_world(config: PretrainConfig, world_size: int) -> PretrainConfig:
 
 def validate_for_world(config: PretrainConfig, world_size: int) -> None:
     """Rules that need the live number of processes; checked before any model is built."""
-    if config.eval_tasks and config.eval_limit is not None and config.eval_limit < world_size:
-        raise ConfigError(
-            f"eval_limit {config.eval_limit} is less than the {world_size} processes: the benchmarks deal documents "
-            f"out to every rank, so each needs at least one per task; set eval_limit >= {world_size} or unset it"
-        )
     actual = config.resolved_global_batch_size(world_size)
     if config.global_batch_size is not None and actual != config.global_batch_size:
         raise ConfigError(

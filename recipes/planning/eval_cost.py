@@ -65,7 +65,10 @@ def forward_passes(work: EvalWork) -> dict[str, int]:
     """Forward passes per rank and task."""
     passes = {}
     for task, documents in work.documents().items():
-        batches = math.ceil(math.ceil(documents / work.ranks_sharing) / work.batch_size)
+        per_rank = math.ceil(documents / work.ranks_sharing)
+        if task == "mmlu" and work.limit:  # dealt out subject by subject: a rank scores at least one of each
+            per_rank = work.mmlu_subjects * math.ceil(documents / work.mmlu_subjects / work.ranks_sharing)
+        batches = math.ceil(per_rank / work.batch_size)
         generated = (work.max_gen_toks or LM_EVAL_MAX_GEN_TOKS) if task == "gsm8k" else 0
         passes[task] = batches * (1 + generated)
     return passes

@@ -170,7 +170,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     benchmarks = benchmark_settings(config)
     if benchmarks:
         # numbers and data directories, before the model costs anything
-        benchmarks.check(RECIPE_KEYS, ranks=accelerator.num_processes)
+        benchmarks.check(RECIPE_KEYS)
         logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
         positions, strict = model_config.max_position_embeddings, config.preflight_strict
         on_main_process(lambda: check_prompt_lengths(benchmarks, tokenizer, positions, strict), catch=(ConfigError,))

@@ -1,8 +1,10 @@
 """Launched by tests/test_eval_sharded.py on 1 and on 2 CPU processes: the in-loop benchmarks on a trained model loaded
 into the recipe's ZeRO-3 engine (partitioned as it loads), with every document's record kept. Rank 0 writes
-lm-eval's results and samples under OUTPUT/eval/, and every rank writes how many dummy forwards it ran."""
+lm-eval's results and samples under OUTPUT/eval/, and every rank writes how many dummy forwards it ran and the tasks
+it scored a stand-in document of. EVAL_LIMIT: documents per task (5)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +25,8 @@ def main(recipe: str, output: str, mmlu_dir: str, gsm8k_dir: str, overrides: lis
 
     tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
     engine, _, _ = build_engine(config, llama_config(config, len(tokenizer)), "sdpa", ds_config, accelerator, False)
-    settings = BenchmarkSettings(tasks=["mmlu", "gsm8k"], mmlu_dir=mmlu_dir, gsm8k_dir=gsm8k_dir, limit=5,
+    settings = BenchmarkSettings(tasks=["mmlu", "gsm8k"], mmlu_dir=mmlu_dir, gsm8k_dir=gsm8k_dir,
+                                 limit=int(os.environ.get("EVAL_LIMIT", "5")),
                                  batch_size=2, max_gen_toks=10, log_samples=True)  # fmt: skip
     counted = []
     original = sharded.sharded_lm_class
@@ -41,7 +44,10 @@ def main(recipe: str, output: str, mmlu_dir: str, gsm8k_dir: str, overrides: lis
     sharded.sharded_lm_class = counting
     scores = run_benchmarks(engine, accelerator, tokenizer, settings, step=0, output_dir=Path(output))
     dummies = counted[0].dummy_forwards if counted else 0
-    Path(output, f"rank-{accelerator.process_index}.json").write_text(json.dumps({"scores": scores, "dummy": dummies}))
+    stand_ins = sorted(counted[0].stand_in_tasks) if counted else []
+    Path(output, f"rank-{accelerator.process_index}.json").write_text(
+        json.dumps({"scores": scores, "dummy": dummies, "stand_ins": stand_ins})
+    )
     torch.distributed.barrier()
     accelerator.end_training()
 
