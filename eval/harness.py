@@ -159,12 +159,12 @@ def task_manager(metadata: tuple[tuple[str, str], ...], hub: bool):
     return KeepingTaskManager(include_path=str(TASKS_DIR), include_defaults=hub, metadata=dict(metadata))
 
 
-def evaluate(
-    model, tokenizer, settings: BenchmarkSettings, *, rank: int = 0, world_size: int = 1, **model_args
-) -> dict:
+def evaluate(model, tokenizer, settings: BenchmarkSettings, *, rank: int = 0, world_size: int = 1,
+             stop_requested=None, **model_args) -> dict:  # fmt: skip
     """lm-eval's results dict (`results`, `n-samples`, `configs`, `samples` with `settings.log_samples`, `timings`) on
     rank 0, None on the others. `model` is a live transformers causal LM, or a model directory's path, which lm-eval
-    loads with `model_args` (device, dtype, parallelize).
+    loads with `model_args` (device, dtype, parallelize). `stop_requested` (a callable, asked before every forward
+    pass and generation, on every rank together) ends it early with `EvaluationStopped`.
 
     With `world_size` > 1 (a live ZeRO-3 model) every rank must call this with the same settings: each scores its
     share of the documents with the prompts one process would build, and every forward pass is matched on every
@@ -180,7 +180,8 @@ def evaluate(
 
         lm_class = sharded_lm_class(lm_class)
         model_args = {**model_args, "rank": rank, "world_size": world_size}
-    lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, **model_args)
+    lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, stop_requested=stop_requested,
+                  **model_args)  # fmt: skip
     if world_size > 1:
         sharding = same_prompts_as_one_rank(rank, world_size, lm.stand_in_tasks)
     gen_kwargs = {"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks is not None else None
@@ -251,6 +252,23 @@ def measure_prompts(settings: BenchmarkSettings, tokenizer, max_length: int) -> 
     return lengths
 
 
+class EvaluationStopped(Exception):
+    """A stop signal ended an evaluation: raised on every rank at the same forward pass, so that they leave lm-eval
+    together and the run saves."""
+
+
+class _StopOnSignal:
+    """A transformers stopping criterion: every sequence is done once `stop_requested()` is true."""
+
+    def __init__(self, stop_requested):
+        self.stop_requested = stop_requested
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        return torch.full((input_ids.shape[0],), bool(self.stop_requested()), dtype=torch.bool, device=input_ids.device)
+
+
 @functools.cache
 def timed_lm_class():
     """lm-eval's HFLM, timing its two request types: `loglikelihood_s` (MMLU's scoring) and `generate_until_s`
@@ -260,8 +278,10 @@ def timed_lm_class():
     from lm_eval.models.huggingface import HFLM
 
     class TimedHFLM(HFLM):
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args, stop_requested=None, **kwargs):
             super().__init__(*args, **kwargs)
+            # asked before every forward pass and generation: a stop signal ends an evaluation within one of them
+            self.stop_requested = stop_requested
             self.timings = {"loglikelihood_s": 0.0, "loglikelihood_requests": 0, "generate_until_s": 0.0,
                             "generate_until_requests": 0}  # fmt: skip
             self.prompt_lengths = PromptLengths(self.max_length)
@@ -270,6 +290,41 @@ def timed_lm_class():
             for _, context, continuation in requests:  # what HFLM cuts: beyond max_length + 1 tokens
                 self.prompt_lengths.add(len(context) + len(continuation), self.max_length + 1)
             return super()._loglikelihood_tokens(requests, *args, **kwargs)
+
+        def _agreed(self, flag: bool) -> bool:
+            return flag  # one process: its own answer (ShardedLM asks every rank)
+
+        def _stop_if_requested(self) -> None:
+            if self.stop_requested is not None and self._agreed(bool(self.stop_requested())):
+                raise EvaluationStopped("a stop signal arrived during the evaluation")
+
+        def _model_call(self, *args, **kwargs):
+            self._stop_if_requested()
+            return super()._model_call(*args, **kwargs)
+
+        def _model_generate(self, *args, **kwargs):
+            if self.stop_requested is None:
+                return super()._model_generate(*args, **kwargs)
+            self._stop_if_requested()
+            # a generation of hundreds of tokens stops at the next token too: lm-eval's stop-sequence criteria get
+            # one that ends every sequence once this rank has a stop signal; the cut answer is never scored, since
+            # the check after it stops the evaluation on every rank
+            from lm_eval.models import huggingface
+
+            stop_sequences_criteria = huggingface.stop_sequences_criteria
+
+            def with_stop_signal(*criteria_args, **criteria_kwargs):
+                criteria = stop_sequences_criteria(*criteria_args, **criteria_kwargs)
+                criteria.append(_StopOnSignal(self.stop_requested))
+                return criteria
+
+            huggingface.stop_sequences_criteria = with_stop_signal
+            try:
+                generated = super()._model_generate(*args, **kwargs)
+            finally:
+                huggingface.stop_sequences_criteria = stop_sequences_criteria
+            self._stop_if_requested()
+            return generated
 
         def _timed(self, kind: str, method, requests, **kwargs):
             started = time.perf_counter()

@@ -21,6 +21,7 @@ import torch
 
 from eval.harness import (
     BenchmarkSettings,
+    EvaluationStopped,
     PromptLengths,
     evaluate,
     format_table,
@@ -65,9 +66,14 @@ def benchmark_timings(results: dict, seconds: float) -> dict[str, float]:
     return timings
 
 
-def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, step: int, output_dir: Path) -> dict:
-    """Scores (`mmlu/acc`, `gsm8k/exact_match_strict`, ...), the same on every rank, or {} when a benchmark failed.
-    The main process writes `output_dir/eval/step-N.json`. A collective: call it on every rank."""
+def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, step: int, output_dir: Path,
+                   stop_requested=None) -> dict:  # fmt: skip
+    """Scores (`mmlu/acc`, `gsm8k/exact_match_strict`, ...), the same on every rank, or {} when a benchmark failed or
+    `stop_requested()` turned true on a rank (asked before every forward pass: a full evaluation at 70B takes hours,
+    more than a time limit's warning). The main process writes `output_dir/eval/step-N.json`. A collective: call it
+    on every rank."""
+    if accelerator.is_main_process:
+        logger.info("step %d: benchmarks started (%s)", step, ", ".join(settings.tasks))
     rng = capture_rng_state()
     was_training = model.training
     model.eval()
@@ -80,7 +86,12 @@ def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, s
             settings,
             rank=accelerator.process_index,
             world_size=accelerator.num_processes,
+            stop_requested=stop_requested,
         )
+    except EvaluationStopped:
+        logger.warning("step %d: benchmarks stopped by a stop signal after %.1f s, not scored", step,
+                       time.perf_counter() - started)  # fmt: skip
+        return {}
     except Exception as error:  # a benchmark must never end a run of weeks
         failure = f"{type(error).__name__}: {error}"
     finally:

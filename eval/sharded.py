@@ -57,6 +57,10 @@ def sharded_lm_class(base):
         def barrier(self):
             dist.barrier()
 
+        def _agreed(self, flag: bool) -> bool:
+            # every rank asks before the same forward pass (their counts are matched), so all stop at the same one
+            return most_on_any_rank(int(flag), self.device) > 0
+
         def gather_object(self, obj, dst=0):
             # lm-eval gathers {task: [logged samples]} and {task: {(metric, filter): [values]}}; a stand-in
             # task's entries go empty, their keys kept (rank 0 reads every key it has from every rank)

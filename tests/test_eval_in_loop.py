@@ -131,3 +131,37 @@ def test_benchmarks_in_the_loop_under_zero3(tmp_path, corpus):
 
     assert losses(records, "loss") == losses(plain_records, "loss")
     assert losses(records, "eval_loss") == losses(plain_records, "eval_loss")
+
+
+def test_a_stop_signal_during_the_benchmarks_ends_them_and_the_run_saves(tmp_path, corpus):
+    """A full evaluation at 70B takes hours, longer than a time limit's warning: the signal used to wait for its end
+    (and then for Slurm's SIGKILL). Now every rank leaves lm-eval at the same forward pass and the loop saves."""
+    import signal
+
+    import psutil
+
+    data = fixtures.write(tmp_path / "eval_data")
+    output_dir = tmp_path / "run"
+    args = tiny_overrides(corpus, output_dir, max_steps=8, eval_steps=2, save_steps=100, logging_steps=1,
+                          max_eval_samples=8, eval_tasks="[gsm8k]", eval_limit=8, eval_max_gen_toks=400,
+                          eval_benchmarks_every=1, gsm8k_dir=data["gsm8k_jsonl"])  # fmt: skip
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        job = start(launch_command(REPO / "recipes/pretrain.py", args), stdout=log, stderr=log)
+        deadline = time.time() + 300
+        while "step 2: benchmarks started" not in log_path.read_text() and time.time() < deadline:
+            assert job.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        signalled = time.time()
+        for process in psutil.Process(job.pid).children(recursive=True):  # the ranks (and their data workers)
+            if "pretrain.py" in " ".join(process.cmdline()):
+                process.send_signal(signal.SIGUSR1)
+        job.wait(timeout=300)
+    stopping_s, text = time.time() - signalled, log_path.read_text()
+    assert job.returncode == 0, text[-3000:]
+    assert "step 2: benchmarks stopped by a stop signal" in text, text[-3000:]
+    assert "stop signal (SIGTERM/SIGUSR1): saved and exited" in text
+    assert (output_dir / "latest").read_text().strip() == "checkpoint-2"
+    assert not (output_dir / "eval" / "step-2.json").exists(), "a stopped evaluation writes no scores"
+    print(f"stop signal during the benchmarks -> saved and exited in {stopping_s:.1f} s")

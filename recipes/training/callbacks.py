@@ -152,7 +152,8 @@ class MetricLogger(Callback):
 
 class Benchmarks(Callback):
     """MMLU / GSM8K through lm-eval on the live ZeRO-3 model at every `every`-th evaluation and the last step.
-    Every rank runs every request (each forward gathers the shards); a failure is logged and training goes on."""
+    Each rank scores its share (each forward gathers the shards); a failure is logged and training goes on; a stop
+    signal ends the evaluation at the next forward pass, so that the loop saves."""
 
     def __init__(self, settings: BenchmarkSettings, tokenizer, output_dir: Path, eval_steps: int, every: int):
         self.settings, self.tokenizer, self.output_dir = settings, tokenizer, Path(output_dir)
@@ -166,9 +167,9 @@ class Benchmarks(Callback):
             return
         from eval.in_loop import run_benchmarks
 
-        scores = run_benchmarks(
-            trainer.model, trainer.accelerator, self.tokenizer, self.settings, trainer.state.step, self.output_dir
-        )
+        signalled = lambda: trainer.signals.received is not None  # noqa: E731
+        scores = run_benchmarks(trainer.model, trainer.accelerator, self.tokenizer, self.settings, trainer.state.step,
+                                self.output_dir, stop_requested=signalled)  # fmt: skip
         if scores:
             trainer.metrics.write(trainer.state.step, scores)
 

@@ -57,6 +57,7 @@ class TrainerView(Protocol):
     data: Any  # recipes.training.train_data.TrainData
     metrics: Any  # recipes.telemetry.metrics.MetricsWriter
     state: Any  # recipes.training.run_state.RunState
+    signals: Any  # recipes.training.run_state.StopSignals: `received` is the stop signal this rank got, or None
     window: StepWindow
     total_steps: int
 
