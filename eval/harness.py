@@ -12,15 +12,18 @@ With no local directory, lm-eval's stock hub tasks (`mmlu`, `gsm8k`) are used, w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.files import atomic_write_text
 from data_prep.benchmark_files import mmlu_layout
+from eval.agreement import EvaluationStopped, FailedOnAnotherRank, stopping_on_signal
 
 logger = logging.getLogger("eval")
 SUPPORTED_TASKS = ("mmlu", "gsm8k")
@@ -170,8 +173,6 @@ def evaluate(model, tokenizer, settings: BenchmarkSettings, *, rank: int = 0, wo
     share of the documents with the prompts one process would build, and every forward pass is matched on every
     rank (`eval.sharded`).
     """
-    import contextlib
-
     import lm_eval
 
     lm_class, sharding = timed_lm_class(), contextlib.nullcontext()
@@ -187,7 +188,7 @@ def evaluate(model, tokenizer, settings: BenchmarkSettings, *, rank: int = 0, wo
     gen_kwargs = {"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks is not None else None
     names = task_names(settings)
     hub = any(not name.endswith("_local") and not name.startswith("mmlu_local") for name in names)
-    with sharding:
+    with sharding, _announcing_failure(lm if world_size > 1 else None):
         results = lm_eval.simple_evaluate(
             model=lm,
             tasks=names,
@@ -199,12 +200,27 @@ def evaluate(model, tokenizer, settings: BenchmarkSettings, *, rank: int = 0, wo
             bootstrap_iters=1000,
             verbosity="ERROR",
         )
+    if world_size > 1:
+        lm.finish()
     lengths = lm.prompt_lengths.summed_over_ranks(lm.device) if world_size > 1 else lm.prompt_lengths
     if results is None:  # lm-eval returns the results on rank 0 only
         return None
     results["timings"] = {**lm.timings, "dummy_forwards": getattr(lm, "dummy_forwards", 0)}
     results["prompt_lengths"] = dataclasses.asdict(lengths)
     return jsonable(results)
+
+
+@contextlib.contextmanager
+def _announcing_failure(lm):
+    """A failure of this rank's own (not a stop, not another rank's) is announced to the others (`eval.sharded`)."""
+    try:
+        yield
+    except (EvaluationStopped, FailedOnAnotherRank):
+        raise
+    except Exception:
+        if lm is not None:
+            lm.announce_failure()
+        raise
 
 
 def measure_prompts(settings: BenchmarkSettings, tokenizer, max_length: int) -> PromptLengths:
@@ -252,101 +268,71 @@ def measure_prompts(settings: BenchmarkSettings, tokenizer, max_length: int) -> 
     return lengths
 
 
-class EvaluationStopped(Exception):
-    """A stop signal ended an evaluation: raised on every rank at the same forward pass, so that they leave lm-eval
-    together and the run saves."""
+class TimedLM:
+    """Mixed into lm-eval's HFLM (`timed_lm_class`): times its two request types, `loglikelihood_s` (MMLU's scoring)
+    and `generate_until_s` (GSM8K's answers), with the number of requests of each; counts the prompts' lengths; and
+    asks `stop_requested` before every forward pass and generation, so that a stop signal ends an evaluation within
+    one of them (`EvaluationStopped`)."""
 
-
-class _StopOnSignal:
-    """A transformers stopping criterion: every sequence is done once `stop_requested()` is true."""
-
-    def __init__(self, stop_requested):
+    def __init__(self, *args, stop_requested=None, **kwargs):
+        super().__init__(*args, **kwargs)
         self.stop_requested = stop_requested
+        self.timings = {"loglikelihood_s": 0.0, "loglikelihood_requests": 0, "generate_until_s": 0.0,
+                        "generate_until_requests": 0}  # fmt: skip
+        self.prompt_lengths = PromptLengths(self.max_length)
 
-    def __call__(self, input_ids, scores, **kwargs):
-        import torch
+    def _loglikelihood_tokens(self, requests, *args, **kwargs):
+        for _, context, continuation in requests:  # what HFLM cuts: beyond max_length + 1 tokens
+            self.prompt_lengths.add(len(context) + len(continuation), self.max_length + 1)
+        return super()._loglikelihood_tokens(requests, *args, **kwargs)
 
-        return torch.full((input_ids.shape[0],), bool(self.stop_requested()), dtype=torch.bool, device=input_ids.device)
+    def _agreed(self, flag: bool) -> bool:
+        return flag  # one process: its own answer (the sharded LM asks every rank)
+
+    def _stop_if_requested(self) -> None:
+        if self.stop_requested is not None and self._agreed(bool(self.stop_requested())):
+            raise EvaluationStopped("a stop signal arrived during the evaluation")
+
+    def _model_call(self, *args, **kwargs):
+        self._stop_if_requested()
+        return super()._model_call(*args, **kwargs)
+
+    def _model_generate(self, *args, **kwargs):
+        if self.stop_requested is None:
+            return super()._model_generate(*args, **kwargs)
+        self._stop_if_requested()
+        with stopping_on_signal(self.stop_requested):
+            generated = super()._model_generate(*args, **kwargs)
+        self._stop_if_requested()  # a cut answer is never scored: every rank stops here
+        return generated
+
+    def _timed(self, kind: str, method, requests, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(requests, **kwargs)
+        finally:
+            self.timings[f"{kind}_s"] += time.perf_counter() - started
+            self.timings[f"{kind}_requests"] += len(requests)
+
+    def loglikelihood(self, requests, **kwargs):
+        return self._timed("loglikelihood", super().loglikelihood, requests, **kwargs)
+
+    def generate_until(self, requests, **kwargs):
+        from lm_eval.models.utils import normalize_gen_kwargs
+
+        for request in requests:  # what HFLM cuts: a context beyond max_length - max_gen_toks
+            context, gen_kwargs = request.args
+            budget = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)["max_gen_toks"]
+            self.prompt_lengths.add(len(self.tok_encode(context)), self.max_length - budget)
+        return self._timed("generate_until", super().generate_until, requests, **kwargs)
 
 
 @functools.cache
 def timed_lm_class():
-    """lm-eval's HFLM, timing its two request types: `loglikelihood_s` (MMLU's scoring) and `generate_until_s`
-    (GSM8K's answers), with the number of requests of each."""
-    import time
-
+    """lm-eval's HFLM with `TimedLM`."""
     from lm_eval.models.huggingface import HFLM
 
-    class TimedHFLM(HFLM):
-        def __init__(self, *args, stop_requested=None, **kwargs):
-            super().__init__(*args, **kwargs)
-            # asked before every forward pass and generation: a stop signal ends an evaluation within one of them
-            self.stop_requested = stop_requested
-            self.timings = {"loglikelihood_s": 0.0, "loglikelihood_requests": 0, "generate_until_s": 0.0,
-                            "generate_until_requests": 0}  # fmt: skip
-            self.prompt_lengths = PromptLengths(self.max_length)
-
-        def _loglikelihood_tokens(self, requests, *args, **kwargs):
-            for _, context, continuation in requests:  # what HFLM cuts: beyond max_length + 1 tokens
-                self.prompt_lengths.add(len(context) + len(continuation), self.max_length + 1)
-            return super()._loglikelihood_tokens(requests, *args, **kwargs)
-
-        def _agreed(self, flag: bool) -> bool:
-            return flag  # one process: its own answer (ShardedLM asks every rank)
-
-        def _stop_if_requested(self) -> None:
-            if self.stop_requested is not None and self._agreed(bool(self.stop_requested())):
-                raise EvaluationStopped("a stop signal arrived during the evaluation")
-
-        def _model_call(self, *args, **kwargs):
-            self._stop_if_requested()
-            return super()._model_call(*args, **kwargs)
-
-        def _model_generate(self, *args, **kwargs):
-            if self.stop_requested is None:
-                return super()._model_generate(*args, **kwargs)
-            self._stop_if_requested()
-            # a generation of hundreds of tokens stops at the next token too: lm-eval's stop-sequence criteria get
-            # one that ends every sequence once this rank has a stop signal; the cut answer is never scored, since
-            # the check after it stops the evaluation on every rank
-            from lm_eval.models import huggingface
-
-            stop_sequences_criteria = huggingface.stop_sequences_criteria
-
-            def with_stop_signal(*criteria_args, **criteria_kwargs):
-                criteria = stop_sequences_criteria(*criteria_args, **criteria_kwargs)
-                criteria.append(_StopOnSignal(self.stop_requested))
-                return criteria
-
-            huggingface.stop_sequences_criteria = with_stop_signal
-            try:
-                generated = super()._model_generate(*args, **kwargs)
-            finally:
-                huggingface.stop_sequences_criteria = stop_sequences_criteria
-            self._stop_if_requested()
-            return generated
-
-        def _timed(self, kind: str, method, requests, **kwargs):
-            started = time.perf_counter()
-            try:
-                return method(requests, **kwargs)
-            finally:
-                self.timings[f"{kind}_s"] += time.perf_counter() - started
-                self.timings[f"{kind}_requests"] += len(requests)
-
-        def loglikelihood(self, requests, **kwargs):
-            return self._timed("loglikelihood", super().loglikelihood, requests, **kwargs)
-
-        def generate_until(self, requests, **kwargs):
-            from lm_eval.models.utils import normalize_gen_kwargs
-
-            for request in requests:  # what HFLM cuts: a context beyond max_length - max_gen_toks
-                context, gen_kwargs = request.args
-                budget = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)["max_gen_toks"]
-                self.prompt_lengths.add(len(self.tok_encode(context)), self.max_length - budget)
-            return self._timed("generate_until", super().generate_until, requests, **kwargs)
-
-    return TimedHFLM
+    return type("TimedHFLM", (TimedLM, HFLM), {})
 
 
 def jsonable(value):

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eval.agreement import EvaluationStopped, FailedOnAnotherRank
 from eval.harness import (
     BenchmarkSettings,
-    EvaluationStopped,
     PromptLengths,
     evaluate,
     format_table,
@@ -78,7 +78,7 @@ def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, s
     was_training = model.training
     model.eval()
     started = time.perf_counter()
-    results, failure = None, ""
+    results, failure = None, ""  # None: left because another rank failed
     try:
         results = evaluate(
             accelerator.unwrap_model(model),
@@ -92,17 +92,23 @@ def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, s
         logger.warning("step %d: benchmarks stopped by a stop signal after %.1f s, not scored", step,
                        time.perf_counter() - started)  # fmt: skip
         return {}
+    except FailedOnAnotherRank:
+        failure = None  # the failed rank says why
     except Exception as error:  # a benchmark must never end a run of weeks
         failure = f"{type(error).__name__}: {error}"
     finally:
         restore_rng_state(rng)
         if was_training:
             model.train()
-    failed = torch.tensor([float(bool(failure))], device=accelerator.device)
-    failed = accelerator.reduce(failed, reduction="sum").item()
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    failures = {rank: said for rank, said in enumerate(gather_object([failure])) if said != ""}
     seconds = time.perf_counter() - started
-    if failed:
-        logger.error("step %d: benchmarks failed on %d rank(s), training continues: %s", step, failed, failure)
+    if failures:
+        failed = {rank: said for rank, said in failures.items() if said}
+        if accelerator.is_main_process:
+            logger.error("step %d: benchmarks failed on rank(s) %s, training continues: %s", step,
+                         ", ".join(map(str, failed)), next(iter(failed.values()), "unknown"))  # fmt: skip
         return {}
     # lm-eval gathers every rank's scores to rank 0 and aggregates there; the others get None.
     scores = [None]
@@ -118,6 +124,4 @@ def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, s
         if samples is not None:
             write_samples(samples, output_dir / "eval" / f"step-{step}-samples.jsonl")
         logger.info("step %d: benchmarks (%d documents, %.1f s)\n%s", step, documents, seconds, format_table(results))
-    from accelerate.utils import broadcast_object_list
-
     return broadcast_object_list(scores)[0]

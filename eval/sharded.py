@@ -10,6 +10,12 @@ distinct contexts runs fewer batches). So before its first forward each rank all
 its own batches, runs one-token dummy forwards (and one-token dummy generations, which `synced_gpus` keeps stepping
 while another rank still generates) up to the largest count.
 
+A failure on one rank (a document its filters or metrics cannot take, say) used to leave the others waiting forever in
+lm-eval's next collective. Every collective here starts with an agreement on each rank's state: the failed rank meets
+the others' next agreement with its failure, every rank leaves lm-eval, and the in-loop code logs it and trains on.
+The same agreement before every forward pass carries a stop signal. (A rank that fails inside a forward pass, in
+the middle of ZeRO-3's own gathers, cannot be met this way: the hang watchdog ends that.)
+
 Fewer documents than ranks (a small subject file, `eval_limit` below the world size): lm-eval's split assumes every
 rank holds a document of every task (it indexes a task's first request, and rank 0 reads every metric from every
 rank's scores), so a rank with none used to stop in an error while rank 0 waited in the gather of scores, forever.
@@ -29,77 +35,101 @@ import dataclasses
 import functools
 import itertools
 
+import torch
+import torch.distributed as dist
+from lm_eval.models.utils import Collator
+
+from eval.agreement import FAILED, RUNNING, STOPPING, FailedOnAnotherRank, most_on_any_rank
+
+
+class ShardedLM:
+    """Mixed into an HFLM subclass (`sharded_lm_class`): rank `rank` of `world_size` ranks that share one ZeRO-3
+    model."""
+
+    def __init__(self, *args, rank: int, world_size: int, **kwargs):
+        super().__init__(*args, **kwargs)  # a live model: HFLM takes the model's device and says rank 0 of 1
+        self._rank, self._world_size = rank, world_size
+        self.dummy_forwards = 0  # padding forwards this rank ran, for tests and logs
+        self.stand_in_tasks: set[str] = set()  # tasks this rank scores a stand-in document of (filled below)
+
+    def agree(self, state: int = RUNNING) -> int:
+        """The worst state of any rank. Every collective of this class starts with it, so a rank whose evaluation
+        failed between two of them (`announce_failure`) meets the others at their next one, and every rank leaves
+        lm-eval (`FailedOnAnotherRank`) instead of waiting forever for it."""
+        worst = most_on_any_rank(state, self.device)
+        if worst == FAILED and state != FAILED:
+            raise FailedOnAnotherRank("the benchmarks failed on another rank")
+        return worst
+
+    def announce_failure(self) -> None:
+        """On the rank whose evaluation raised: meet the others' next collective with the failure."""
+        self.agree(FAILED)
+
+    def finish(self) -> None:
+        """After lm-eval returns, on every rank: where a rank failed after the last collective (rank 0 alone
+        aggregates the scores), the others learn it here."""
+        self.agree()
+
+    def all_gather(self, tensor):
+        self.agree()
+        pieces = [torch.zeros_like(tensor.reshape(1)) for _ in range(self.world_size)]
+        dist.all_gather(pieces, tensor.reshape(1))
+        return torch.cat(pieces)
+
+    def barrier(self):
+        self.agree()
+        dist.barrier()
+
+    def _agreed(self, flag: bool) -> bool:
+        # every rank asks before the same forward pass (their counts are matched), so all stop at the same one
+        return self.agree(STOPPING if flag else RUNNING) == STOPPING
+
+    def gather_object(self, obj, dst=0):
+        self.agree()
+        # lm-eval gathers {task: [logged samples]} and {task: {(metric, filter): [values]}}; a stand-in task's
+        # entries go empty, their keys kept (rank 0 reads every key it has from every rank)
+        if isinstance(obj, dict):
+            obj = {task: (({key: [] for key in value} if isinstance(value, dict) else [])
+                          if task in self.stand_in_tasks else value) for task, value in obj.items()}  # fmt: skip
+        gathered = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst)
+        return gathered
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        # the batches lm-eval will form: one per `batch_size` distinct contexts (its logits cache)
+        group_by = "contexts" if self.backend == "causal" and self.logits_cache else None
+        batches = Collator(requests, sort_fn=lambda r: 0, group_by=group_by, group_fn=lambda r: r[-2] + r[-1][:-1])
+        mine = sum(1 for _ in batches.get_batched(n=self.batch_size))
+        self.agree()
+        most = most_on_any_rank(mine, self.device)  # before any forward: a collective between forwards hangs
+        result = super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        for _ in range(most - mine):
+            self._model_call(torch.full((1, 1), self.eot_token_id, device=self.device))
+            self.dummy_forwards += 1
+        return result
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        calls = Collator([r.args for r in requests], sort_fn=lambda r: 0, group_by="gen_kwargs",
+                         group_fn=lambda r: r[1])  # fmt: skip
+        mine = sum(1 for _ in calls.get_batched(n=self.batch_size))
+        self.agree()
+        most = most_on_any_rank(mine, self.device)
+        result = super().generate_until(requests, disable_tqdm=disable_tqdm)
+        for _ in range(most - mine):
+            context = torch.full((1, 1), self.eot_token_id, device=self.device)
+            self._model_generate(context=context, attention_mask=torch.ones_like(context), max_length=2, stop=[])
+            self.dummy_forwards += 1
+        return result
+
+    def _model_generate(self, context, max_length: int, stop, **generation_kwargs):
+        # a rank that has finished keeps stepping until every rank has: each step is a gathered forward
+        return super()._model_generate(context, max_length, stop, **{**generation_kwargs, "synced_gpus": True})
+
 
 @functools.cache
 def sharded_lm_class(base):
-    """`base` (an HFLM subclass) for rank `rank` of `world_size` ranks that share one ZeRO-3 model."""
-    import torch
-    import torch.distributed as dist
-    from lm_eval.models.utils import Collator
-
-    def most_on_any_rank(count: int, device) -> int:
-        value = torch.tensor([count], dtype=torch.int64, device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return int(value.item())
-
-    class ShardedLM(base):
-        def __init__(self, *args, rank: int, world_size: int, **kwargs):
-            super().__init__(*args, **kwargs)  # a live model: HFLM takes the model's device and says rank 0 of 1
-            self._rank, self._world_size = rank, world_size
-            self.dummy_forwards = 0  # padding forwards this rank ran, for tests and logs
-            self.stand_in_tasks: set[str] = set()  # tasks this rank scores a stand-in document of (filled below)
-
-        def all_gather(self, tensor):
-            pieces = [torch.zeros_like(tensor.reshape(1)) for _ in range(self.world_size)]
-            dist.all_gather(pieces, tensor.reshape(1))
-            return torch.cat(pieces)
-
-        def barrier(self):
-            dist.barrier()
-
-        def _agreed(self, flag: bool) -> bool:
-            # every rank asks before the same forward pass (their counts are matched), so all stop at the same one
-            return most_on_any_rank(int(flag), self.device) > 0
-
-        def gather_object(self, obj, dst=0):
-            # lm-eval gathers {task: [logged samples]} and {task: {(metric, filter): [values]}}; a stand-in
-            # task's entries go empty, their keys kept (rank 0 reads every key it has from every rank)
-            if isinstance(obj, dict):
-                obj = {task: (({key: [] for key in value} if isinstance(value, dict) else [])
-                              if task in self.stand_in_tasks else value) for task, value in obj.items()}  # fmt: skip
-            gathered = [None] * self.world_size if self.rank == dst else None
-            dist.gather_object(obj, gathered, dst=dst)
-            return gathered
-
-        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-            # the batches lm-eval will form: one per `batch_size` distinct contexts (its logits cache)
-            group_by = "contexts" if self.backend == "causal" and self.logits_cache else None
-            batches = Collator(requests, sort_fn=lambda r: 0, group_by=group_by, group_fn=lambda r: r[-2] + r[-1][:-1])
-            mine = sum(1 for _ in batches.get_batched(n=self.batch_size))
-            most = most_on_any_rank(mine, self.device)  # before any forward: a collective between forwards hangs
-            result = super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
-            for _ in range(most - mine):
-                self._model_call(torch.full((1, 1), self.eot_token_id, device=self.device))
-                self.dummy_forwards += 1
-            return result
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            calls = Collator([r.args for r in requests], sort_fn=lambda r: 0, group_by="gen_kwargs",
-                             group_fn=lambda r: r[1])  # fmt: skip
-            mine = sum(1 for _ in calls.get_batched(n=self.batch_size))
-            most = most_on_any_rank(mine, self.device)
-            result = super().generate_until(requests, disable_tqdm=disable_tqdm)
-            for _ in range(most - mine):
-                context = torch.full((1, 1), self.eot_token_id, device=self.device)
-                self._model_generate(context=context, attention_mask=torch.ones_like(context), max_length=2, stop=[])
-                self.dummy_forwards += 1
-            return result
-
-        def _model_generate(self, context, max_length: int, stop, **generation_kwargs):
-            # a rank that has finished keeps stepping until every rank has: each step is a gathered forward
-            return super()._model_generate(context, max_length, stop, **{**generation_kwargs, "synced_gpus": True})
-
-    return ShardedLM
+    """`base` (an HFLM subclass) with `ShardedLM`."""
+    return type("ShardedLM", (ShardedLM, base), {})
 
 
 @contextlib.contextmanager

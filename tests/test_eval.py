@@ -398,3 +398,42 @@ def test_prompts_longer_than_the_positions_are_measured_before_the_run_and_count
         assert "benchmarks: " in caplog.text and "lm-eval cuts them" in caplog.text
         check_prompt_lengths(settings, tokenizer, positions + measured.most_over, strict=True)
     assert measure_prompts(settings, tokenizer, positions + measured.most_over).truncated == 0
+
+
+def test_a_launch_that_ended_during_the_benchmarks_skips_them_once_at_that_step(tmp_path, monkeypatch):
+    """A failure inside a forward pass on one rank (out of memory on its longest prompts, say) leaves the others in
+    ZeRO-3's gathers until the hang watchdog ends the launch (exit 1, a requeue): the relaunch reached the same step
+    and the same failure, forever. Now the relaunch skips that step's benchmarks, once, and says so."""
+    from types import SimpleNamespace
+
+    import eval.in_loop
+    from recipes.training.callbacks import Benchmarks
+
+    calls = []
+
+    def dies(*args, **kwargs):
+        calls.append(args[4])
+        raise SystemExit(1)  # the watchdog's exit, as far as this launch is concerned
+
+    monkeypatch.setattr(eval.in_loop, "run_benchmarks", dies)
+    settings = BenchmarkSettings(tasks=["gsm8k"])
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=True), state=SimpleNamespace(step=4),
+                              signals=SimpleNamespace(received=None), due=lambda every: True, is_last_step=False,
+                              metrics=SimpleNamespace(write=lambda step, scores: calls.append(("scores", step))),
+                              model=None)  # fmt: skip
+    first = Benchmarks(settings, None, tmp_path, eval_steps=4, every=1)
+    first.on_train_start(trainer)
+    with pytest.raises(SystemExit):
+        first.on_step_end(trainer, None, None)
+    assert json.loads((tmp_path / Benchmarks.RUNNING_MARKER).read_text()) == {"step": 4}
+    monkeypatch.setattr(eval.in_loop, "run_benchmarks", lambda *args, **kwargs: calls.append(args[4]) or {"x": 1.0})
+    relaunch = Benchmarks(settings, None, tmp_path, eval_steps=4, every=1)
+    relaunch.on_train_start(trainer)
+    relaunch.on_step_end(trainer, None, None)  # step 4 again: skipped
+    trainer.state.step = 8
+    relaunch.on_step_end(trainer, None, None)  # the next ones run
+    assert calls == [4, 8, ("scores", 8)]
+    assert not (tmp_path / Benchmarks.RUNNING_MARKER).exists()
+    fresh = Benchmarks(settings, None, tmp_path, eval_steps=4, every=1)
+    fresh.on_train_start(trainer)
+    assert fresh.skip_step is None

@@ -16,13 +16,15 @@ def samples_of(directory) -> dict:
     return {(r["task"], r["doc_id"], r["filter"]): r for r in records}
 
 
-def evaluate_on(ranks: int, output, model, data, limit: int = 5, timeout_s: int = 600):
+def evaluate_on(ranks: int, output, model, data, limit: int = 5, timeout_s: int = 600, fail_on_rank=None):
     overrides = ["--model_name_or_path", str(model), "--model_config", "{}", "--tokenizer_name_or_path", str(model),
                  "--output_dir", str(output / "run"), "--global_batch_size", "null", "--bf16", "false"]  # fmt: skip
     result = launch(REPO / "tests/scripts/eval_in_loop.py",
                     [str(TINY_RECIPE), str(output), str(data["mmlu_csv"]), str(data["gsm8k_jsonl"]), *overrides],
-                    num_processes=ranks, timeout_s=timeout_s, env={**LAUNCH_ENV, "EVAL_LIMIT": str(limit)})  # fmt: skip
+                    num_processes=ranks, timeout_s=timeout_s, env={**LAUNCH_ENV, "EVAL_LIMIT": str(limit),
+                    **({"EVAL_FAIL_ON_RANK": str(fail_on_rank)} if fail_on_rank is not None else {})})  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
+    (output / "stderr.txt").write_text(result.stderr)
     return output
 
 
@@ -80,3 +82,18 @@ def test_tasks_with_fewer_documents_than_ranks_are_scored_and_nothing_hangs(tmp_
     assert scores[1]["gsm8k/exact_match_strict"] == pytest.approx(scores[2]["gsm8k/exact_match_strict"])
     stand_ins = [json.loads((runs[2] / f"rank-{rank}.json").read_text())["stand_ins"] for rank in (0, 1)]
     assert stand_ins == [[], sorted([f"mmlu_local_{s}" for s in fixtures.SUBJECTS] + ["gsm8k_local"])]
+
+
+def test_a_failure_on_one_rank_is_logged_and_every_rank_goes_on(tmp_path, trained_run):
+    """Issue 37: a rank whose evaluation raised left the others waiting in lm-eval's next collective until the hang
+    watchdog (30 minutes, then a requeue into the same failure). Now it meets their next collective with its failure:
+    every rank leaves lm-eval, the failure is logged once with the rank and the error, and the next evaluation (the
+    training's collectives too) runs in step."""
+    data = fixtures.write(tmp_path / "eval_data", test_per_subject=2, gsm8k_test=2)
+    output = evaluate_on(2, tmp_path / "ranks2", trained_run["dir"] / "final", data, limit=2, timeout_s=300,
+                         fail_on_rank=1)  # fmt: skip
+    ranks = [json.loads((output / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["failed_scores"] for r in ranks] == [{}, {}], "both ranks left the failed evaluation"
+    assert "gsm8k/exact_match_strict" in ranks[0]["scores"] and ranks[0]["scores"] == ranks[1]["scores"]
+    stderr = (output / "stderr.txt").read_text()
+    assert stderr.count("benchmarks failed on rank(s) 1, training continues: ValueError: a document this rank") == 1

@@ -14,12 +14,14 @@ the order the callbacks were given:
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from common.files import atomic_write_text
 from recipes.telemetry import metrics
 from recipes.training.attention import DocumentMasking
 from recipes.training.interface import Control, StepResult, TrainerView
@@ -153,11 +155,32 @@ class MetricLogger(Callback):
 class Benchmarks(Callback):
     """MMLU / GSM8K through lm-eval on the live ZeRO-3 model at every `every`-th evaluation and the last step.
     Each rank scores its share (each forward gathers the shards); a failure is logged and training goes on; a stop
-    signal ends the evaluation at the next forward pass, so that the loop saves."""
+    signal ends the evaluation at the next forward pass, so that the loop saves.
+
+    A launch that ends during the benchmarks (a hang ended by the watchdog, a crash inside a forward pass, a kill)
+    leaves `RUNNING_MARKER` behind; the next launch skips the benchmarks of that step, once, so that a failure they
+    cause (one rank out of memory on its longest prompts, say) cannot requeue the run into itself forever."""
+
+    RUNNING_MARKER = ".benchmarks-running.json"
 
     def __init__(self, settings: BenchmarkSettings, tokenizer, output_dir: Path, eval_steps: int, every: int):
         self.settings, self.tokenizer, self.output_dir = settings, tokenizer, Path(output_dir)
         self.eval_steps, self.every = eval_steps, every
+        self.skip_step: int | None = None
+
+    def on_train_start(self, trainer: TrainerView) -> None:
+        # read by every rank before any step; rewritten only at the next benchmarks, after a collective step
+        marker = self.output_dir / self.RUNNING_MARKER
+        try:
+            self.skip_step = int(json.loads(marker.read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if trainer.accelerator.is_main_process:
+            logger.warning(
+                "the last launch ended during the benchmarks of step %d (a hang, a crash or a kill): they are "
+                "skipped at step %d this time, so that what ended it cannot repeat (score that checkpoint with "
+                "eval.run)", self.skip_step, self.skip_step,
+            )  # fmt: skip
 
     def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         if not trainer.due(self.eval_steps):
@@ -165,13 +188,22 @@ class Benchmarks(Callback):
         evaluation = trainer.state.step // self.eval_steps
         if evaluation % self.every and not trainer.is_last_step:
             return
+        step, marker = trainer.state.step, self.output_dir / self.RUNNING_MARKER
+        if step == self.skip_step:
+            if trainer.accelerator.is_main_process:
+                logger.warning("step %d: benchmarks skipped (the last launch ended during them)", step)
+            return
         from eval.in_loop import run_benchmarks
 
+        if trainer.accelerator.is_main_process:
+            atomic_write_text(marker, json.dumps({"step": step}))
         signalled = lambda: trainer.signals.received is not None  # noqa: E731
-        scores = run_benchmarks(trainer.model, trainer.accelerator, self.tokenizer, self.settings, trainer.state.step,
+        scores = run_benchmarks(trainer.model, trainer.accelerator, self.tokenizer, self.settings, step,
                                 self.output_dir, stop_requested=signalled)  # fmt: skip
+        if trainer.accelerator.is_main_process:
+            marker.unlink(missing_ok=True)
         if scores:
-            trainer.metrics.write(trainer.state.step, scores)
+            trainer.metrics.write(step, scores)
 
 
 class Validation(Callback):

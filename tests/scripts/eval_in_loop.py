@@ -1,7 +1,8 @@
 """Launched by tests/test_eval_sharded.py on 1 and on 2 CPU processes: the in-loop benchmarks on a trained model loaded
 into the recipe's ZeRO-3 engine (partitioned as it loads), with every document's record kept. Rank 0 writes
 lm-eval's results and samples under OUTPUT/eval/, and every rank writes how many dummy forwards it ran and the tasks
-it scored a stand-in document of. EVAL_LIMIT: documents per task (5)."""
+it scored a stand-in document of. EVAL_LIMIT: documents per task (5). EVAL_FAIL_ON_RANK: that rank's scoring fails in
+a first evaluation (the scores of which every rank writes as `failed_scores`), before the usual one."""
 
 import json
 import os
@@ -42,14 +43,38 @@ def main(recipe: str, output: str, mmlu_dir: str, gsm8k_dir: str, overrides: lis
         return Counting
 
     sharded.sharded_lm_class = counting
+    failed_scores = None
+    if os.environ.get("EVAL_FAIL_ON_RANK") == str(accelerator.process_index):
+        failed_scores = fail_once_on_this_rank(engine, accelerator, tokenizer, settings, output)
+    elif os.environ.get("EVAL_FAIL_ON_RANK"):
+        failed_scores = run_benchmarks(engine, accelerator, tokenizer, settings, step=0, output_dir=Path(output))
     scores = run_benchmarks(engine, accelerator, tokenizer, settings, step=0, output_dir=Path(output))
     dummies = counted[0].dummy_forwards if counted else 0
     stand_ins = sorted(counted[0].stand_in_tasks) if counted else []
     Path(output, f"rank-{accelerator.process_index}.json").write_text(
-        json.dumps({"scores": scores, "dummy": dummies, "stand_ins": stand_ins})
+        json.dumps({"scores": scores, "dummy": dummies, "stand_ins": stand_ins, "failed_scores": failed_scores})
     )
     torch.distributed.barrier()
     accelerator.end_training()
+
+
+def fail_once_on_this_rank(engine, accelerator, tokenizer, settings, output):
+    """EVAL_FAIL_ON_RANK: this rank's GSM8K scoring raises (after every forward pass, before lm-eval gathers the
+    scores), as a document a filter cannot take would; the others are then inside lm-eval's next collective."""
+    from lm_eval.api.task import ConfigurableTask
+
+    original = ConfigurableTask.process_results
+
+    def failing(self, doc, results):
+        if self.config.task.startswith("gsm8k"):
+            raise ValueError("a document this rank cannot score")
+        return original(self, doc, results)
+
+    ConfigurableTask.process_results = failing
+    try:
+        return run_benchmarks(engine, accelerator, tokenizer, settings, step=0, output_dir=Path(output))
+    finally:
+        ConfigurableTask.process_results = original
 
 
 if __name__ == "__main__":
