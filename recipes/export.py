@@ -7,7 +7,8 @@ A checkpoint holds per-rank ZeRO-3 shards (or, after `ds_to_universal`, one fp32
 export reads them tensor by tensor through DeepSpeed's lazy consolidation (`convert_zero_checkpoint_to_state_dict`,
 optimizer files memory-mapped), so memory holds one output shard rather than the model: never the ~280 GB fp32
 copy of a 70B model. It writes sharded safetensors with an index, config.json and generation_config.json with the
-tokenizer's bos/eos/pad ids, the tokenizer, the resolved recipe and `export.json` (source step and run), into a
+tokenizer's bos/eos/pad ids, the tokenizer (the run's own copy, RUN/tokenizer), the resolved recipe and `export.json`
+(source step, run and tokenizer), into a
 staging directory that is renamed into place when complete. `final/` is written by this same function. Every file
 is checked against the checkpoint's sha256 first, the checkpoint is pinned against rotation while it is read, and
 an output that is, holds or lies inside the run, the checkpoint or the tokenizer is refused, `--overwrite` or not.
@@ -95,7 +96,8 @@ def export_checkpoint(
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     config = config_from_dict(checkpointing.read_config(checkpoint), str(checkpoint / checkpointing.RESOLVED_CONFIG))
-    tokenizer_dir = Path(tokenizer_path or config.tokenizer_name_or_path)
+    kept = checkpoint.parent / checkpointing.TOKENIZER_COPY  # the run's own copy (none before it kept one)
+    tokenizer_dir = Path(tokenizer_path or (kept if kept.is_dir() else config.tokenizer_name_or_path))
     reads = {"the checkpoint": checkpoint, "the tokenizer": tokenizer_dir}
     if not run_may_hold_output:
         reads["the run directory"] = checkpoint.parent
@@ -198,6 +200,7 @@ def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, 
             tokenizer_dir: Path, tokenizer=None) -> Path:  # fmt: skip
     from recipes.training.model import llama_config, with_token_ids
 
+    tokenizer_source = "the live run's" if tokenizer is not None else str(tokenizer_dir.resolve())
     if tokenizer is None:
         tokenizer = _the_runs_tokenizer(checkpoint, tokenizer_dir)
     else:
@@ -221,6 +224,7 @@ def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, 
             "step": checkpointing.read_manifest(checkpoint)["step"],
             "run": str(checkpoint.resolve().parent),
             "dtype": dtype,
+            "tokenizer": tokenizer_source,
             "exported": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         atomic_write_text(staging / "export.json", json.dumps(source, indent=2))
@@ -407,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="the model directory to write (refused if it exists)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weights' dtype (default bfloat16)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    parser.add_argument("--tokenizer", help="tokenizer directory, if the run's is not at its recorded path")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: the run's own copy, RUN/tokenizer, or for "
+                        "runs that kept none, its recorded path); refused unless the run trained with it")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     args = parser.parse_args(argv)
     try:

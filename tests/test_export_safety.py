@@ -2,6 +2,7 @@
 reads, two exports at once, a failure half way. Each case ends in one line, exit code 2, and nothing lost or left."""
 
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 
 import pytest
+from transformers import AutoTokenizer
 
 from common.lock import FileLock
 from recipes.config import ConfigError
@@ -144,7 +146,7 @@ def test_a_killed_exports_staging_is_removed_at_the_next_start(run, trained_run)
     config = copy.deepcopy(trained_run["config"])  # the session's: not to be changed
     config.output_dir = str(run_dir)
     with FileLock(beside_lock, what="a live export"):  # an export beside the checkpoints, still at work
-        prepare(config, {})
+        prepare(config, {}, AutoTokenizer.from_pretrained(trained_run["corpus"]["tokenizer"]))
     assert not staging.exists() and beside.exists()
     elsewhere = run_dir.parent / "model"
     export_staging(elsewhere)[0].mkdir()
@@ -192,6 +194,12 @@ def test_a_tokenizer_trained_again_into_the_runs_directory_is_refused_and_a_live
     assert not (tmp_path / "out").exists()
     said = export(checkpoint, "--output", tmp_path / "out2", "--tokenizer", replaced)
     assert said.returncode == 2 and said.stderr.count("\n") == 1, said.stderr
+    # without --tokenizer: the run's own copy, whatever happened to the directory it was loaded from
+    kept = checkpoint.parent / "tokenizer"
+    assert AutoTokenizer.from_pretrained(kept).get_vocab() == original.get_vocab()
+    exported = export_checkpoint(checkpoint, tmp_path / "out3")
+    assert json.loads((exported / "export.json").read_text())["tokenizer"] == str(kept.resolve())
+    assert AutoTokenizer.from_pretrained(exported).get_vocab() == original.get_vocab()
 
     # the live run's own export: the tokenizer it loaded at its start, whatever the directory holds now
     config = config_from_dict(read_config(checkpoint), "x")

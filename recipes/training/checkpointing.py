@@ -34,6 +34,9 @@ RANK_FILE_PATTERN = re.compile(r"(?:rank_|random_states_)(\d+)")
 MANIFEST = "manifest.json"
 LATEST = "latest"
 RESOLVED_CONFIG = "config.yaml"
+# The run's own copy of the tokenizer it trains with, in output_dir: what an export from disk uses by default, since
+# the directory it was loaded from may be trained into again once the run has ended
+TOKENIZER_COPY = "tokenizer"
 TRAINER_STATE = "trainer_state.json"  # run state and data position, written by the main process
 MIN_KEPT = 2
 UNIVERSAL_DIR = "universal"  # where `ds_to_universal` output goes inside a checkpoint, for world-size changes

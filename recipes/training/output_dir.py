@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from common.collectives import on_main_process
 from common.lock import DirectoryLock, LockedError, describe
 from recipes.config import ConfigError, PretrainConfig
 from recipes.training import checkpointing
+from recipes.training.callbacks import Benchmarks
 
 logger = logging.getLogger("pretrain")
 
@@ -20,6 +22,7 @@ logger = logging.getLogger("pretrain")
 RUN_OUTPUTS = (
     "metrics.jsonl", "tensorboard", "final", "eval", "loss.png", "report.md", "run_summary.json",
     checkpointing.RESOLVED_CONFIG, "deepspeed_config.json", checkpointing.LATEST, "trackers.json", "mlruns", "wandb",
+    Benchmarks.RUNNING_MARKER, checkpointing.TOKENIZER_COPY,
 )  # fmt: skip
 
 
@@ -87,9 +90,9 @@ def read_paths(config: PretrainConfig) -> list[tuple[str, Path]]:
     return paths
 
 
-def prepare(config: PretrainConfig, ds_config: dict) -> None:
+def prepare(config: PretrainConfig, ds_config: dict, tokenizer) -> None:
     """Once every check has passed (main process): clear a previous run if asked to, and write the resolved
-    recipe and DeepSpeed config beside the run's outputs."""
+    recipe, the DeepSpeed config and a copy of the tokenizer beside the run's outputs."""
     check_fresh_start(config)
     output_dir = Path(config.output_dir)
     for staging, size in checkpointing.remove_stale_export_staging(output_dir):
@@ -98,6 +101,33 @@ def prepare(config: PretrainConfig, ds_config: dict) -> None:
     with disk_errors_named(output_dir):
         checkpointing.write_resolved_config(output_dir, config.to_dict())
         (output_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, default=str))
+        keep_tokenizer(output_dir, tokenizer, config.tokenizer_name_or_path)
+
+
+def keep_tokenizer(output_dir: Path, tokenizer, loaded_from: str) -> None:
+    """`output_dir/tokenizer`: the tokenizer this run trains with, written atomically once (a resume finds the same
+    one there: the run's identity refuses another tokenizer)."""
+    from data_prep.format import tokenizer_identity
+
+    copy = output_dir / checkpointing.TOKENIZER_COPY
+    if Path(loaded_from).resolve() == copy.resolve():
+        return
+    if copy.is_dir():
+        from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+
+        try:
+            kept = load_tokenizer(str(copy), "the run's tokenizer copy")
+        except TokenizerLoadError:
+            kept = None
+        same = kept is not None and tokenizer_identity(kept, copy) == tokenizer_identity(tokenizer, copy)
+        if same:
+            return
+        logger.warning("%s does not hold the tokenizer this run trains with: written again", copy)
+    staging = output_dir / f".{checkpointing.TOKENIZER_COPY}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(copy, ignore_errors=True)
+    os.replace(staging, copy)
 
 
 # Errors of the place, not of the moment: another launch fails the same way, so they are bad input (exit 2, which

@@ -367,6 +367,6 @@ def check_launch(config: PretrainConfig) -> Launch:
     if accelerator.is_main_process:
         logger.log(*data_passes(config, data, world))
     # on the main process, and an error there stops every rank
-    on_main_process(lambda: output_dir.prepare(config, ds_config), catch=(ConfigError,))
+    on_main_process(lambda: output_dir.prepare(config, ds_config, inputs.tokenizer), catch=(ConfigError,))
     signals = StopSignals()  # from here a preemption signal waits for the next step boundary
     return Launch(accelerator, ds_config, lock, inputs, data, resume_from, signals)
