@@ -186,7 +186,7 @@ def test_export_reads_the_universal_form_when_the_rank_shards_are_gone(tmp_path,
     # what a conversion killed half-way, and one that failed, leave: nothing a start trusts, removed by the next
     (checkpoint / elastic.STAGING / "pytorch_model" / "zero").mkdir(parents=True)
     (checkpoint / elastic.FAILED).write_text("an earlier failure")
-    elastic.ensure_universal(checkpoint, OneProcess())
+    ensure_universal(checkpoint)
     assert has_universal(checkpoint) and not (checkpoint / elastic.STAGING).exists()
     assert not (checkpoint / elastic.FAILED).exists()
     from_shards = export_checkpoint(checkpoint, tmp_path / "from_shards", dtype="float32")
@@ -206,6 +206,14 @@ class OneProcess:
         pass
 
 
+def ensure_universal(checkpoint) -> None:
+    """elastic.ensure_universal in one process, re-hashing universal/ as a resume does."""
+    from recipes.training import elastic
+    from recipes.training.checkpointing import verify_universal_share
+
+    elastic.ensure_universal(checkpoint, OneProcess(), lambda path: verify_universal_share(path, 0, 1))
+
+
 def test_a_failed_conversion_publishes_nothing_and_every_rank_says_why(tmp_path, uninterrupted):
     from recipes.training import elastic
     from recipes.training.checkpointing import CheckpointError, has_universal
@@ -215,7 +223,7 @@ def test_a_failed_conversion_publishes_nothing_and_every_rank_says_why(tmp_path,
     for shard in (checkpoint / "pytorch_model").glob("*model_states.pt"):
         shard.write_bytes(b"truncated")  # a shard damaged after its manifest was checked
     with pytest.raises(CheckpointError, match="elastic: converting .*checkpoint-6 to the universal format failed"):
-        elastic.ensure_universal(checkpoint, OneProcess())
+        ensure_universal(checkpoint)
     assert not has_universal(checkpoint) and not (checkpoint / elastic.STAGING).exists()
     with pytest.raises(CheckpointError, match="to the universal format failed"):  # a rank that waited for rank 0
         elastic.wait_for_conversion(checkpoint)
@@ -252,19 +260,21 @@ def test_a_damaged_or_empty_universal_form_is_set_aside_and_converted_again(tmp_
     traceback, exit 1, on every relaunch; an empty universal/pytorch_model (killed at its start) made the relaunch's
     own conversion fail to publish ('Directory not empty'), every time. Both are found, kept aside, converted again;
     with the rank shards gone too, the problem is named in one line."""
+    from common.files import sha256_of
     from recipes.training import elastic
     from recipes.training.checkpointing import (
         UNIVERSAL_DIR,
         CheckpointError,
         has_universal,
         universal_problems,
+        verify_universal_share,
     )
 
     checkpoint = tmp_path / "checkpoint-6"
     shutil.copytree(uninterrupted / "checkpoint-6", checkpoint)
     (checkpoint / UNIVERSAL_DIR / "pytorch_model").mkdir(parents=True)  # killed at its start
     assert not has_universal(checkpoint) and "is missing or empty" in universal_problems(checkpoint)[0]
-    elastic.ensure_universal(checkpoint, OneProcess())
+    ensure_universal(checkpoint)
     assert has_universal(checkpoint) and (checkpoint / elastic.DAMAGED).is_dir()
 
     zero = checkpoint / UNIVERSAL_DIR / "pytorch_model" / "zero"
@@ -275,11 +285,25 @@ def test_a_damaged_or_empty_universal_form_is_set_aside_and_converted_again(tmp_
         f"{zero}/model.layers.1.mlp.up_proj.weight/{state} is missing" for state in ("fp32.pt", "exp_avg.pt",
                                                                                       "exp_avg_sq.pt")
     ]  # fmt: skip
-    elastic.ensure_universal(checkpoint, OneProcess())
+    ensure_universal(checkpoint)
     assert has_universal(checkpoint) and not universal_problems(checkpoint)
+
+    # a file changed in place, its size kept (a bit flip on the storage): only its sha256 tells
+    listing = json.loads((checkpoint / UNIVERSAL_DIR / "conversion.json").read_text())["files"]
+    changed = zero / "model.layers.1.mlp.up_proj.weight" / "fp32.pt"
+    assert listing[str(changed.relative_to(checkpoint / UNIVERSAL_DIR))]["sha256"] == sha256_of(changed)
+    data = bytearray(changed.read_bytes())
+    data[-16:] = bytes(255 - b for b in data[-16:])
+    changed.write_bytes(bytes(data))
+    assert not universal_problems(checkpoint) and verify_universal_share(checkpoint, 0, 1) == [
+        f"{changed}: sha256 differs from the conversion's conversion.json (the file was changed or damaged)"
+    ]
+    ensure_universal(checkpoint)
+    assert verify_universal_share(checkpoint, 0, 1) == [] and (checkpoint / elastic.DAMAGED / changed.relative_to(
+        checkpoint / UNIVERSAL_DIR)).read_bytes() == bytes(data), "the damaged copy is kept aside"  # fmt: skip
 
     shutil.rmtree(zero / "model.layers.0.mlp.up_proj.weight")
     for shard in (checkpoint / "pytorch_model").glob("*optim_states.pt"):
         shard.unlink()
     with pytest.raises(CheckpointError, match="has no ZeRO rank shards left to convert and no loadable universal"):
-        elastic.ensure_universal(checkpoint, OneProcess())
+        ensure_universal(checkpoint)

@@ -108,14 +108,17 @@ def verify_checksums(directory: Path) -> list[str]:
 def verify_share(directory: Path, rank: int, world_size: int) -> list[str]:
     """Re-hash this rank's share of the manifest's files and name those that differ. Shares are balanced by
     bytes, so N ranks verify a checkpoint in about 1/N of the time one would take."""
-    files = read_manifest(directory)["files"]
+    return _verify_files(directory, read_manifest(directory)["files"], rank, world_size, "the manifest")
+
+
+def _verify_files(root: Path, files: dict[str, dict], rank: int, world_size: int, record: str) -> list[str]:
     loads = [0] * world_size
     problems = []
     for name, entry in sorted(files.items(), key=lambda item: (-item[1]["bytes"], item[0])):
         owner = loads.index(min(loads))  # the least loaded rank takes the next largest file
         loads[owner] += entry["bytes"]
-        if owner == rank and sha256_of(directory / name) != entry["sha256"]:
-            problems.append(f"{directory / name}: sha256 differs from the manifest (the file was changed or damaged)")
+        if owner == rank and sha256_of(root / name) != entry["sha256"]:
+            problems.append(f"{root / name}: sha256 differs from {record} (the file was changed or damaged)")
     return problems
 
 
@@ -128,7 +131,8 @@ def resume_candidates(output_dir: str | Path, resume: str) -> list[Path]:
     return list(reversed(checkpoint_dirs(output_dir)))
 
 
-UNIVERSAL_LISTING = "conversion.json"  # in universal/, written last by the recipe's conversion: every file, its size
+# in universal/, written last by the recipe's conversion: every file, its size and sha256
+UNIVERSAL_LISTING = "conversion.json"
 UNIVERSAL_STATES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")  # one folder per parameter under universal/.../zero/
 
 
@@ -148,22 +152,45 @@ def universal_problems(directory: Path) -> list[str]:
         return [f"{zero} is missing or empty (a conversion that stopped at its start?)"]
     if (root / UNIVERSAL_LISTING).is_file():
         problems = []
-        for name, size in sorted(json.loads((root / UNIVERSAL_LISTING).read_text())["files"].items()):
+        for name, entry in sorted(_universal_files(root).items()):
             path = root / name
             if not path.is_file():
                 problems.append(f"{path} is missing")
-            elif path.stat().st_size != size:
-                problems.append(f"{path} has {path.stat().st_size} bytes; the conversion wrote {size}")
+            elif path.stat().st_size != entry["bytes"]:
+                problems.append(f"{path} has {path.stat().st_size} bytes; the conversion wrote {entry['bytes']}")
         return problems
     names = _shard_parameter_names(directory)
     return [f"{zero / name / state} is missing" for name in names or [] for state in UNIVERSAL_STATES
             if not (zero / name / state).is_file()]  # fmt: skip
 
 
-def universal_listing(root: Path) -> dict[str, int]:
-    """Every file under a universal conversion `root`, by relative path, with its size (what `universal_problems`
-    checks it against)."""
-    return {str(path.relative_to(root)): path.stat().st_size for path in sorted(root.rglob("*")) if path.is_file()}
+def universal_listing(root: Path, threads: int = 8) -> dict[str, dict]:
+    """Every file under a universal conversion `root`, by relative path, with its size and sha256 (what
+    `universal_problems` and `verify_universal_share` check it against). Hashed on `threads` threads (hashlib
+    releases the GIL): at 70B the conversion holds ~840 GB of fp32 weights and Adam moments."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = [path for path in sorted(root.rglob("*")) if path.is_file()]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        hashes = list(pool.map(sha256_of, paths))
+    return {str(path.relative_to(root)): {"bytes": path.stat().st_size, "sha256": digest}
+            for path, digest in zip(paths, hashes, strict=True)}  # fmt: skip
+
+
+def _universal_files(root: Path) -> dict[str, dict]:
+    """The listing's files; one written before the listing held hashes gives sizes only."""
+    files = json.loads((root / UNIVERSAL_LISTING).read_text())["files"]
+    return {name: entry if isinstance(entry, dict) else {"bytes": entry} for name, entry in files.items()}
+
+
+def verify_universal_share(directory: Path, rank: int, world_size: int) -> list[str]:
+    """Re-hash this rank's share of `universal/`'s files against the conversion's listing (as `verify_share` does
+    for the checkpoint's own files); a universal/ converted by hand, or before listings held hashes, has none."""
+    root = Path(directory) / UNIVERSAL_DIR
+    if not (root / UNIVERSAL_LISTING).is_file():
+        return []
+    hashed = {name: entry for name, entry in _universal_files(root).items() if "sha256" in entry}
+    return _verify_files(root, hashed, rank, world_size, f"the conversion's {UNIVERSAL_LISTING}")
 
 
 def _shard_parameter_names(directory: Path) -> list[str] | None:

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from recipes.training import checkpointing
@@ -62,13 +63,14 @@ def convert(checkpoint: Path, workers: int | None = None) -> float:
     return seconds
 
 
-def set_aside_damaged(checkpoint: Path) -> None:
-    """A `universal/` that cannot be loaded (a conversion by hand cut short, a file lost since) is renamed to
-    `universal.damaged/` (replacing an older one), never deleted: it may be someone's only copy of what it holds."""
+def set_aside_damaged(checkpoint: Path, problems: list[str] | None = None) -> None:
+    """A `universal/` that cannot be loaded (a conversion by hand cut short, a file lost or changed since) is renamed
+    to `universal.damaged/` (replacing an older one), never deleted: it may be someone's only copy of what it holds.
+    `problems`: what is wrong with it, when known (else its files are checked against its listing)."""
     universal = checkpoint / checkpointing.UNIVERSAL_DIR
     if not universal.exists():
         return
-    problems = checkpointing.universal_problems(checkpoint)
+    problems = problems or checkpointing.universal_problems(checkpoint)
     aside = checkpoint / DAMAGED
     shutil.rmtree(aside, ignore_errors=True)
     os.replace(universal, aside)
@@ -85,15 +87,17 @@ def wait_for_conversion(checkpoint: Path) -> None:
         time.sleep(POLL_S)
 
 
-def ensure_universal(checkpoint: Path, accelerator) -> None:
+def ensure_universal(checkpoint: Path, accelerator, verify: Callable[[Path], list[str]]) -> None:
     """Every rank (a collective): `checkpoint` has its universal form when this returns, converted now if it had
-    none. Rank 0 clears what an earlier, killed or failed, conversion left before anyone looks."""
-    if checkpointing.has_universal(checkpoint):
+    none or its files differ from the conversion's sizes or sha256 (`verify`, a collective, re-hashes them). Rank 0
+    clears what an earlier, killed or failed, conversion left before anyone looks."""
+    changed = verify(checkpoint) if checkpointing.has_universal(checkpoint) else None
+    if changed == []:
         return
     if accelerator.is_main_process:
         shutil.rmtree(checkpoint / STAGING, ignore_errors=True)
         (checkpoint / FAILED).unlink(missing_ok=True)
-        set_aside_damaged(checkpoint)
+        set_aside_damaged(checkpoint, changed)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         convert(checkpoint)

@@ -161,10 +161,24 @@ def choose_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
     return path
 
 
+def verify_universal(path: Path, accelerator) -> list[str]:
+    """`path`'s universal/ files against the conversion's sha256: every rank hashes its share (a collective)."""
+    from accelerate.utils import gather_object
+
+    started = time.perf_counter()
+    share = checkpointing.verify_universal_share(path, accelerator.process_index, accelerator.num_processes)
+    problems = [problem for part in gather_object([share]) for problem in part]
+    seconds = time.perf_counter() - started
+    logger.info("resume: verified %s/%s in %.1f s", path.name, checkpointing.UNIVERSAL_DIR, seconds)
+    return problems
+
+
 def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: TrainData, world_size: int,
-                    convert: Callable[[Path], None] | None = None) -> None:  # fmt: skip
+                    convert: Callable[[Path], None] | None = None,
+                    verify_universal: Callable[[Path], list[str]] | None = None) -> None:  # fmt: skip
     """Refuse, before the model is built, a checkpoint saved by another run or that this launch cannot continue. A
-    checkpoint of another world size is converted with `convert` (elastic runs) once every other check has passed."""
+    checkpoint of another world size is converted with `convert` (elastic runs) once every other check has passed;
+    without it, its universal/ is checked with `verify_universal` (a collective re-hash)."""
     saved = saved_identity(path, tokenizer)
     changes = identity_changes(saved, identity)
     if changes:
@@ -182,6 +196,8 @@ def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: Train
             convert(path)  # a no-op when a loadable universal/ is there
         present = (path / checkpointing.UNIVERSAL_DIR).exists()
         damaged = checkpointing.universal_problems(path) if present else []  # one check: it may read rank shards
+        if present and not damaged and convert is None and verify_universal is not None:
+            damaged = verify_universal(path)  # (`convert` re-hashed it already)
         if damaged:
             raise CheckpointError(
                 f"cannot resume from {path}: its universal/ cannot be loaded: {damaged[0]}"

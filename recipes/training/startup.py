@@ -359,8 +359,9 @@ def check_launch(config: PretrainConfig) -> Launch:
     atexit.register(data.close)  # after multiprocessing's own exit handler, so it runs first
     resume_from = resume.choose_checkpoint(config, accelerator)
     if resume_from:
-        convert = (lambda path: elastic.ensure_universal(path, accelerator)) if config.elastic else None
-        resume.check_resumable(resume_from, inputs.identity, inputs.tokenizer, data, world, convert)
+        verify = lambda path: resume.verify_universal(path, accelerator)  # noqa: E731
+        convert = (lambda path: elastic.ensure_universal(path, accelerator, verify)) if config.elastic else None
+        resume.check_resumable(resume_from, inputs.identity, inputs.tokenizer, data, world, convert, verify)
         problem = resume.steps_problem(config.total_steps(world), resume_from)
         if problem:
             raise ConfigError(problem)
