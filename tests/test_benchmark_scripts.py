@@ -100,3 +100,21 @@ def test_zero3_host_tax_times_plain_torch_and_both_granularities():
     recipe = report["recipe_s_per_step"]
     assert report["recipe_speedup"] == pytest.approx(recipe["per_module"] / recipe["leaves"])
     assert report["warmup_losses_equal"] is True, "the same engine's first losses, with and without leaves"
+
+
+def test_elastic_drift_builds_valid_launches_and_compares_losses(tmp_path, corpus):
+    """The benchmark's launches take ~5 minutes (docs/slurm.md gives its figures); here its recipe arguments load
+    as a recipe, its comparison is checked on known losses, and a change step outside the run is refused."""
+    from benchmarks.elastic_drift import GLOBAL_BATCH_ROWS, RECIPE, relative_differences, run_args
+    from recipes.config import load_config
+
+    data = {"tokenizer": corpus["tokenizer"], "packed": tmp_path, "validation": corpus["validation"]}
+    config = load_config(RECIPE, run_args(data, tmp_path / "out", steps=16, dtype="fp32", save_steps=6)[2:])
+    assert config.elastic and config.global_batch_size == GLOBAL_BATCH_ROWS and not config.bf16
+    assert config.save_steps == 6 and config.max_steps == 16
+    reference = {1: 4.0, 2: 3.0, 3: 2.0, 4: 1.0}
+    measured = relative_differences({1: 4.0, 2: 3.0, 3: 2.02, 4: 0.9}, reference, after=2)
+    assert measured == pytest.approx({"first_step_after": 0.01, "largest_after": 0.1})
+    refused = subprocess.run([sys.executable, "-m", "benchmarks.elastic_drift", "--steps", "4", "--change-at", "4"],
+                             cwd=REPO, env=LAUNCH_ENV, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 2 and "--change-at 4: must be between 1 and --steps - 1 (3)" in refused.stderr

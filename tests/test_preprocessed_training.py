@@ -39,8 +39,11 @@ def packed_dir(tmp_path_factory, corpus):
 
 
 def run_args(corpus, packed_dir, output_dir, **extra):
+    # fp32: an elastic run then equals an uninterrupted one to 1e-6, so any difference a world-size change carries
+    # besides the order of the sums shows (bf16 rounding would hide one of 2e-5: docs/slurm.md)
     values = dict(train_files=packed_dir, max_steps=STEPS, save_steps=6, logging_steps=1, eval_steps=6,
-                  max_eval_samples=16, warmup_steps=3, dataloader_num_workers=2, document_masking="true")  # fmt: skip
+                  max_eval_samples=16, warmup_steps=3, dataloader_num_workers=2, document_masking="true",
+                  bf16="false")  # fmt: skip
     return tiny_overrides(corpus, output_dir, **{**values, **extra})
 
 
@@ -86,7 +89,7 @@ def test_negative_control_with_the_position_reset_diverges(tmp_path, uninterrupt
 def test_a_lost_node_and_its_return_continue_the_run_unattended(tmp_path, uninterrupted, corpus, packed_dir):
     """elastic: 2 processes -> 1 (a node lost) -> 2 (it is back), each start converting the other world size's
     checkpoint to the universal format itself and keeping the global batch (accumulation 2 -> 4 -> 2). Every step is
-    trained once, on exactly the uninterrupted run's rows, with losses equal up to summation order."""
+    trained once, on exactly the uninterrupted run's rows, with losses equal up to summation order (in fp32)."""
     import subprocess
 
     from recipes.telemetry.metrics import read_metrics
@@ -120,7 +123,8 @@ def test_a_lost_node_and_its_return_continue_the_run_unattended(tmp_path, uninte
     steps = [r["step"] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, STEPS + 1)), "no step repeated or skipped"
     assert train[7] == pytest.approx(expected[7], rel=1e-6), "same model and same rows at the first step"
-    assert all(train[s] == pytest.approx(expected[s], rel=1e-4) for s in range(8, STEPS + 1)), (train, expected)
+    # the universal load once gave the norms the weights' weight decay: 2.3e-5 apart in fp32 (summation order: 6e-8)
+    assert all(train[s] == pytest.approx(expected[s], rel=1e-6) for s in range(8, STEPS + 1)), (train, expected)
     assert read_manifest(output_dir / f"checkpoint-{STEPS}")["world_size"] == 2
     assert data_position(output_dir / f"checkpoint-{STEPS}")["global_rows_consumed"] == STEPS * 32
     report = (output_dir / "report.md").read_text()

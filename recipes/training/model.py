@@ -267,6 +267,33 @@ def replay_cpu_adam_bias_correction(optimizer) -> int | None:
     return step
 
 
+def group_hyperparameters(optimizer) -> list[dict]:
+    """Each parameter group's hyperparameters but its parameters and learning rate (set every step), for
+    `restore_group_hyperparameters`."""
+    return [{key: value for key, value in group.items() if key not in ("params", "lr")}
+            for group in innermost_optimizer(optimizer).param_groups]  # fmt: skip
+
+
+def restore_group_hyperparameters(optimizer, kept: list[dict]) -> None:
+    """Put back what `group_hyperparameters` kept. DeepSpeed's ZeRO-3 load of a universal checkpoint copies the first
+    group's hyperparameters to every group (deepspeed 0.19, `load_hp_checkpoint_state_from_checkpoint_dir_stage3`),
+    so after a world-size change the norms and biases were decayed like the weights (weight_decay 0.1, not 0): in
+    fp32 the losses parted from an uninterrupted run's by 2.3e-5 within 10 steps, against 6e-8 for the change of
+    summation order alone (benchmarks/elastic_drift.py)."""
+    groups = innermost_optimizer(optimizer).param_groups
+    if len(groups) != len(kept):
+        raise RuntimeError(f"the optimizer has {len(groups)} parameter groups after the load, {len(kept)} before")
+    for group, values in zip(groups, kept, strict=True):
+        group.update(values)
+
+
+def innermost_optimizer(optimizer):
+    """The optimizer that holds the parameter groups, below accelerate's and DeepSpeed's wrappers."""
+    while getattr(optimizer, "optimizer", None) is not None:
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """All parameters, including those ZeRO-3 has partitioned away from this rank."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

@@ -23,7 +23,11 @@ from recipes.training.attention import DocumentMasking
 from recipes.training.callbacks import Callback
 from recipes.training.checkpointing import Checkpointer, read_config, read_manifest, step_of
 from recipes.training.interface import Control, StepResult, StepWindow
-from recipes.training.model import replay_cpu_adam_bias_correction
+from recipes.training.model import (
+    group_hyperparameters,
+    replay_cpu_adam_bias_correction,
+    restore_group_hyperparameters,
+)
 from recipes.training.run_state import RunState, Stop, StopReason, StopSignals, TrainingFault
 from recipes.training.schedule import recipe_lr
 from recipes.training.train_data import TrainData
@@ -171,11 +175,13 @@ class Trainer:
         """Model, optimizer, RNG states and the stateful parts not in `skip` from `path` (a collective), and
         `metrics.jsonl` cut back to its step. Resume and loss-spike rollback both come through here."""
         launches = self.state.launches  # a rollback restores the step, not the run's count of launches
+        hyperparameters = group_hyperparameters(self.optimizer)  # as the recipe built them
         same_world = self.checkpointer.load(path, skip)
         if self._launch is not None:
             self.state.launches = launches
         replay_cpu_adam_bias_correction(self.optimizer)
-        if not same_world:
+        if not same_world:  # loaded from universal/, whose loader gives every group the first group's values
+            restore_group_hyperparameters(self.optimizer, hyperparameters)
             from accelerate.utils import set_seed
 
             set_seed(self.config.seed + self.state.step)
