@@ -124,3 +124,44 @@ def test_a_command_reports_its_own_peak_memory_not_its_launchers(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     child_peak_mb = float(result.stdout)
     assert 1 < child_peak_mb < 300, f"the child reported {child_peak_mb:.0f} MB, its launcher held 600 MB"
+
+
+def test_deepspeed_op_builds_and_loads_wait_for_each_other_on_a_host(tmp_path, caplog):
+    """Two ranks that found an op missing at once raced in torch's extension cache: one stopped with a traceback
+    while the other built for minutes. Every load now takes a host-wide lock and waits, saying for whom."""
+    import threading
+
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from recipes.training.op_builds import one_at_a_time, serialize_op_builds
+
+    serialize_op_builds()
+    serialize_op_builds()
+    assert OpBuilder.jit_load.one_at_a_time and OpBuilder.jit_load.__wrapped__.__name__ == "jit_load"
+    assert not hasattr(OpBuilder.jit_load.__wrapped__, "one_at_a_time"), "wrapped once"
+
+    path, loads = tmp_path / "build.lock", []
+    load = one_at_a_time(lambda builder: loads.append(builder.name) or "module", path=lambda: path)
+    builder = type("Builder", (), {"name": "cpu_adam"})()
+    holder = hold_lock_file(path)  # another process building
+    try:
+        with caplog.at_level("INFO", logger="pretrain"):
+            waiting = threading.Thread(target=load, args=(builder,))
+            waiting.start()
+            time.sleep(1.0)
+            assert waiting.is_alive() and loads == [], "it waits for the build"
+    finally:
+        holder.kill()
+        holder.wait()
+    waiting.join(timeout=10)
+    assert loads == ["cpu_adam"] and not path.exists(), "loaded once the build was done; no lock file left"
+    assert "DeepSpeed op cpu_adam: waiting (0 s so far):" in caplog.text and f"pid {holder.pid}" in caplog.text
+
+
+def hold_lock_file(path):
+    code = (f"import sys, time; from common.lock import FileLock; FileLock({str(path)!r}, what='a build').acquire(); "
+            "print('held', flush=True); time.sleep(600)")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    return holder

@@ -32,6 +32,7 @@ from recipes.planning.report import format_plan
 from recipes.telemetry.trackers import check_trackers
 from recipes.training import attention, checkpointing
 from recipes.training.model import check_leaf_modules, detect_attn_implementation, llama_config
+from recipes.training.op_builds import serialize_op_builds
 from recipes.training.resume import run_identity
 from recipes.training.train_data import open_train_source
 
@@ -69,6 +70,7 @@ def import_deepspeed_lean() -> None:
 def setup_distributed(config: PretrainConfig):
     """The Accelerator, with the DeepSpeed JSON's recipe-owned values filled from the recipe."""
     import_deepspeed_lean()
+    serialize_op_builds()  # before anything loads an op
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DeepSpeedPlugin
 
