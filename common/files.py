@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Callable
@@ -11,14 +12,20 @@ from typing import BinaryIO
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
     """Write `path` through `write(handle)` into a hidden temporary file beside it, fsync, then rename over
-    `path`: a reader sees the old content or the new, never a torn mix."""
+    `path`: a reader sees the old content or the new, never a torn mix. A write that fails (a full disk) removes
+    its temporary file on the way out."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -66,4 +73,20 @@ def fingerprint_change(path: str | Path, before: dict) -> str | None:
         return f"its size was {before['bytes']:,} bytes and is {now['bytes']:,} now"
     if now["sample_sha256"] != before["sample_sha256"]:
         return f"its content changed (same size, {before['bytes']:,} bytes)"
+    return None
+
+
+def directory_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be (or become) a directory this process writes into, as the rest of a sentence that starts
+    with the path; None when it can. Checked before any work: a file in the way or a read-only place was a traceback
+    from `mkdir` once the work was done."""
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        return "is a file; choose a directory (it is created)"
+    in_the_way = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+    if in_the_way is not None:
+        return f"cannot be created: {in_the_way} is a file"
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be created or written: this user cannot write {existing} (or it is read-only)"
     return None

@@ -32,11 +32,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
 
+from common.exit_codes import OneLineParser  # noqa: E402
 from data_prep.cleaning.config import PRESETS  # noqa: E402 (yaml only: datatrove is imported later, offline)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", help="files or globs: jsonl/parquet/txt, .gz or .zst (required)")
     parser.add_argument("--output", help="output directory (created; continued if interrupted; required)")
     parser.add_argument("--preset", choices=tuple(PRESETS),

@@ -11,18 +11,21 @@ What differs from one machine: each part packs its own documents, so each drops 
 than seq-len tokens), and a row never joins the end of one part to the start of the next. The documents and their
 tokens are exactly those of a single run. Dedup (--dedup) is per part: a document repeated in two parts is kept
 twice; the parts split the corpus by input file, so this matters only for copies across files of different parts.
+
+Exit codes (docs/run-safety.md): 0 done; 2 bad input, one line; 4 the output's disk is full (make room, then the
+same command merges again). It has no worker processes.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
-from common.files import atomic_write_text, fingerprint_change, sha256_of
+from common.exit_codes import BAD_INPUT, DISK_FULL, DONE, OneLineParser, disk_full, disk_full_line
+from common.files import atomic_write_text, directory_problem, fingerprint_change, sha256_of
 from common.lock import LOCK_FILE, DirectoryLock, LockedError
 from data_prep.format import EXAMPLES_PER_REASON, MANIFEST, SHARD_DIR, shard_name
 from data_prep.report import CorpusStats, summary, write_report
@@ -31,19 +34,37 @@ from data_prep.report import CorpusStats, summary, write_report
 class MergeError(ValueError):
     """Parts that cannot be merged, or an output that cannot be written; the message names which and why."""
 
+    exit_code = BAD_INPUT
+
+
+class OutputFull(MergeError):
+    """The output's filesystem is full or over quota: make room, then the same command merges again."""
+
+    exit_code = DISK_FULL
+
+
+def read_part_manifest(path: Path) -> dict:
+    """A part's manifest, refused in one line when it is absent, damaged, or not a part's (another tool's
+    manifest.json: a checkpoint's, a whole preprocessing's)."""
+    if not (path / MANIFEST).is_file():
+        raise MergeError(f"{path}: no {MANIFEST}, so this part is not complete; run its preprocessing command "
+                         "again (it continues where it stopped)")  # fmt: skip
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        part = manifest["settings"]["part"]
+        shards_listed = all(isinstance(shard["path"], str) for shard in manifest["shards"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        why = f"not valid JSON: {error}" if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+        raise MergeError(f"{path / MANIFEST} is not a preprocessing part's manifest ({why}); name the --output "
+                         "directories of python -m data_prep.preprocess --num-parts K --part I") from None  # fmt: skip
+    if not part or not shards_listed:
+        raise MergeError(f"{path} was not made with --num-parts/--part; only parts of one run can be merged")
+    return manifest
+
 
 def read_parts(directories: list[str]) -> list[tuple[Path, dict]]:
     """The parts' manifests in part order, after checking that they are the complete, matching set."""
-    parts = []
-    for directory in directories:
-        path = Path(directory)
-        if not (path / MANIFEST).is_file():
-            raise MergeError(f"{path}: no {MANIFEST}, so this part is not complete; run its preprocessing command "
-                             "again (it continues where it stopped)")  # fmt: skip
-        manifest = json.loads((path / MANIFEST).read_text())
-        if not manifest["settings"].get("part"):
-            raise MergeError(f"{path} was not made with --num-parts/--part; only parts of one run can be merged")
-        parts.append((path, manifest))
+    parts = [(Path(directory), read_part_manifest(Path(directory))) for directory in directories]
     parts.sort(key=lambda part: part[1]["settings"]["part"]["index"])
     first = parts[0][1]["settings"]
     count = first["part"]["count"]
@@ -114,6 +135,20 @@ def merge(directories: list[str], output: str, log=print) -> dict:
         raise MergeError("name the part directories to merge")
     parts = read_parts(directories)
     out = Path(output)
+    problem = directory_problem(out)
+    if problem:
+        raise MergeError(f"--output {out} {problem}")
+    try:
+        return _merge(parts, out, log)
+    except OSError as error:
+        full = disk_full(error)
+        if full is None:
+            raise
+        then = "it merges again from the start (what it wrote is replaced)"
+        raise OutputFull(disk_full_line(out, full, then)) from None
+
+
+def _merge(parts: list[tuple[Path, dict]], out: Path, log) -> dict:
     try:
         lock = DirectoryLock(out, "merge").acquire()
     except LockedError as error:
@@ -217,7 +252,7 @@ def merged_manifest(manifests: list[dict], shards: list[dict], part_paths: list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("parts", nargs="+", help="the part directories (python -m data_prep.preprocess --part I)")
     parser.add_argument("--output", required=True, help="the merged directory (new or empty)")
     args = parser.parse_args(argv)
@@ -225,10 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         manifest = merge(args.parts, args.output)
     except MergeError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     print(f"{manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens in {len(manifest['shards'])} "
           f"shard(s) from {len(args.parts)} part(s) -> {args.output}")  # fmt: skip
-    return 0
+    return DONE
 
 
 if __name__ == "__main__":

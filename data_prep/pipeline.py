@@ -3,19 +3,20 @@ shards by the main process, resumable after every shard. `data_prep.preprocess` 
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import time
 from collections import deque
+from concurrent.futures.process import BrokenProcessPool
 from copy import deepcopy
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from common.files import atomic_write_text, fingerprint, fingerprint_change
+from common.exit_codes import DISK_FULL, RETRY, disk_full, disk_full_line
+from common.files import atomic_write_text, directory_problem, fingerprint, fingerprint_change
 from common.lock import DirectoryLock, LockedError
 from data_prep.filters import (
     FilterSpec,
@@ -56,6 +57,21 @@ DOCS_PER_CHUNK = 512  # one unit of work for a tokenizer process: this many docu
 
 
 CHARS_PER_CHUNK = 1 << 20  # ... or this much text, whichever comes first
+
+
+class OutputFull(PreprocessError):
+    """The output's filesystem is full or over quota: make room, then the same command continues."""
+
+    exit_code = DISK_FULL
+
+
+class WorkerDied(PreprocessError):
+    """A tokenizer process died (killed, out of memory): the same command again continues after the last shard."""
+
+    exit_code = RETRY
+
+
+CONTINUES = "it continues after the last complete shard"
 
 
 def check_inputs(patterns: list[str], text_field: str) -> list[str]:
@@ -177,6 +193,9 @@ def preprocess(
     """Run (or continue) a preprocessing, or part `part` of `num_parts` of one; returns the manifest."""
     filters = filters or FilterSpec([])
     check_numbers(seq_len, num_workers, rows_per_shard, max_document_chars, num_parts, part, filters.ngram)
+    problem = directory_problem(output)
+    if problem:  # before the tokenizer is loaded: it was a traceback (exit 1) from the lock's mkdir
+        raise PreprocessError(f"--output {output} {problem}")
     every_source = check_inputs(inputs, text_field)
     split_bytes = [os.path.getsize(source) for source in every_source]  # what the part split sees, recorded
     sources = select_part(every_source, num_parts, part, split_bytes)
@@ -198,22 +217,39 @@ def preprocess(
         else {"index": part, "count": num_parts, "all_inputs": every_source, "split_bytes": split_bytes},  # fmt: skip
     }
     out = Path(output)
-    try:
-        lock = DirectoryLock(out, "preprocessing").acquire()  # one writer: two runs would interleave shards
-    except LockedError as error:
-        raise PreprocessError(f"--output {error}") from None
+    lock = _lock(out)
     try:
         return _run(out, sources, settings, tokenizer, strict, num_workers, skip_corrupt_files, filters, log)
+    except BrokenProcessPool:  # a hang before: multiprocessing.Pool waited forever for a killed worker's chunk
+        raise WorkerDied(f"a tokenizer worker process died (killed, or out of memory: see dmesg); run the same "
+                         f"command again: {CONTINUES}") from None  # fmt: skip
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        full = _disk_full(out, error)
+        if full is None:
             raise
-        free_gb = shutil.disk_usage(out).free / 1e9
-        raise PreprocessError(
-            f"--output {out}: {error.strerror} while writing {error.filename or 'a shard'} ({free_gb:.1f} GB free). "
-            "Make room and run the same command again: it continues after the last complete shard"
-        ) from None
+        raise full from None
     finally:
         lock.release()
+
+
+def _lock(out: Path) -> DirectoryLock:
+    """The output's lock, taken (one writer: two runs would interleave shards), or one line saying why not."""
+    try:
+        return DirectoryLock(out, "preprocessing").acquire()
+    except LockedError as error:
+        raise PreprocessError(f"--output {error}") from None
+    except OSError as error:  # the output's own directory and lock file
+        raise _disk_full(out, error) or PreprocessError(
+            f"--output {out}: cannot be created or written ({error.strerror}); choose a directory this user can "
+            "create and write"
+        ) from None
+
+
+def _disk_full(out: Path, error: OSError) -> OutputFull | None:
+    """A full disk as its one line (exit 4: the same command continues once there is room); None for any other
+    error."""
+    full = disk_full(error)
+    return None if full is None else OutputFull(disk_full_line(out, full, CONTINUES, what="a shard"))
 
 
 def check_numbers(seq_len: int, num_workers: int, rows_per_shard: int, max_document_chars: int, num_parts: int,
@@ -301,23 +337,28 @@ class Packer:
     def run(self, chunks, serialized_tokenizer: str, identity: dict, num_workers: int, filters: FilterSpec) -> None:
         """Tokenize and pack every chunk."""
         import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-        context = multiprocessing.get_context("spawn")
-        with context.Pool(num_workers, init_worker, (serialized_tokenizer, identity["eos_id"], filters)) as pool:
+        # A worker that dies (kill -9, the OOM killer) breaks this pool: BrokenProcessPool, not a wait forever.
+        pool = ProcessPoolExecutor(num_workers, multiprocessing.get_context("spawn"), init_worker,
+                                   (serialized_tokenizer, identity["eos_id"], filters))  # fmt: skip
+        try:
             in_flight: deque = deque()
             for chunk in chunks:
-                result = pool.apply_async(tokenize_chunk, (chunk.pieces, chunk.ends)) if chunk.pieces else _Done()
+                result = pool.submit(tokenize_chunk, chunk.pieces, chunk.ends) if chunk.pieces else _Done()
                 in_flight.append((result, chunk))
                 # A bounded window keeps memory flat: reading never runs more than two chunks per worker ahead.
                 while len(in_flight) > 2 * num_workers or (in_flight and not chunk.pieces):
                     self.consume(*in_flight.popleft())
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         self.progress.elapsed_s += time.perf_counter() - self._started
         self.progress.stats = self.stats.to_dict()
 
     def consume(self, result, chunk: Chunk) -> None:
         """One chunk's tokens, in corpus order: pack, write, and after a completed shard save the progress."""
         progress = self.progress
-        tokenized = result.get()
+        tokenized = result.result()
         progress.peak_rss_mb_worker = max(progress.peak_rss_mb_worker, tokenized.peak_rss_mb)
         pieces = {
             "tokens": tokenized.tokens, "ends": chunk.ends, "file_index": chunk.file_index,
@@ -368,7 +409,7 @@ class Packer:
 class _Done:
     """The end-of-input marker's stand-in for a worker result."""
 
-    def get(self):
+    def result(self):
         empty = np.zeros(0, dtype=np.int64)
         return Tokenized(np.zeros(0, dtype=np.int32), empty, empty, empty, empty, empty.astype(np.uint64), [], 0.0)
 

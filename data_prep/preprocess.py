@@ -23,15 +23,18 @@ refused, never appended to.
 
 Bad records (malformed JSON, invalid UTF-8, missing field, empty text) are skipped, counted by reason and
 listed as file:line (the first few of each kind); `--strict` makes the first one an error.
+
+Exit codes (docs/run-safety.md): 0 done; 1 a tokenizer worker process died (run the same command again: it
+continues); 2 bad input, one line; 4 the output's disk is full (make room, then the same command continues).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
+from common.exit_codes import BAD_INPUT, DONE, OneLineParser
 from data_prep.filters import (
     FilterSpec,
     benchmark_items,
@@ -67,7 +70,7 @@ def _benchmark_items(args) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", required=True, help="directory of a Hugging Face fast tokenizer")
     parser.add_argument("--input", nargs="+", required=True, help="files or globs: jsonl/parquet/txt, .gz or .zst")
     parser.add_argument("--output", required=True, help="output directory (created; resumed if interrupted)")
@@ -111,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return getattr(error, "exit_code", BAD_INPUT)  # 4 for a full disk, 1 for a worker that died
     print(report(manifest))
     print(f"data report: {Path(args.output) / REPORT_MD}")
-    return 0
+    return DONE
 
 
 if __name__ == "__main__":

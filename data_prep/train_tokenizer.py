@@ -5,20 +5,25 @@
 Byte-level means every byte has a token, so no input is ever out of vocabulary. The saved
 directory loads with `AutoTokenizer.from_pretrained` and has an EOS token, which packing puts
 after every document. `--vocab-size` counts the special tokens, so `len(tokenizer)` equals it.
+
+Exit codes (docs/run-safety.md): 0 done; 2 bad input, one line; 4 the output's disk is full (make room, then the
+same command trains and saves again; nothing half-written is left).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import shutil
+import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from common.exit_codes import DISK_FULL, DONE, OneLineParser, disk_full, disk_full_line
+from common.files import directory_problem
 from common.lock import held_by_someone
-from data_prep.readers import iter_texts, resolve_sources
+from data_prep.readers import CorruptFileError, iter_texts, resolve_sources
 from data_prep.tokenizer_dir import tokenizer_pin
 
 EOS_TOKEN = "<|endoftext|>"
@@ -42,8 +47,9 @@ def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    """Bad input and a full disk raise SystemExit (2, 4) after their one line, as argparse does."""
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True, help="jsonl / parquet / txt files (optionally .gz)")
     parser.add_argument("--vocab-size", type=int, required=True, help="vocabulary size including special tokens")
     parser.add_argument("--output", required=True, help="directory to save the tokenizer in")
@@ -62,9 +68,20 @@ def main(argv: list[str] | None = None) -> None:
     texts = itertools.chain.from_iterable(iter_texts(path, args.text_field) for path in sources)
     if args.max_documents is not None:
         texts = itertools.islice(texts, args.max_documents)
-    tokenizer = train_tokenizer(texts, args.vocab_size)
-    publish(tokenizer, output)
+    try:
+        tokenizer = train_tokenizer(texts, args.vocab_size)
+    except CorruptFileError as error:  # found while reading: a traceback before
+        parser.error(f"--input: {error}")
+    try:
+        publish(tokenizer, output)
+    except Exception as error:  # tokenizers' own writer raises a plain Exception, "... (os error 28)"
+        full = disk_full(error)
+        if full is None:
+            raise
+        said = disk_full_line(output, full, "it trains and saves again", what="the tokenizer")
+        parser.exit(DISK_FULL, f"error: {said}\n")
     print(f"saved a {len(tokenizer)}-token byte-level BPE tokenizer to {args.output}")
+    return DONE
 
 
 # What save_pretrained writes for a fast tokenizer, across transformers versions: --overwrite replaces a directory
@@ -79,6 +96,9 @@ def check_output(output: Path, overwrite: bool) -> None:
     make them disagree with it."""
     if output.exists() and not output.is_dir():
         raise ValueError(f"--output {output} is a file; give a directory")
+    problem = directory_problem(output)
+    if problem:
+        raise ValueError(f"--output {output} {problem}")
     present = sorted(entry.name for entry in output.iterdir()) if output.is_dir() else []
     if not present:
         return
@@ -96,12 +116,17 @@ def check_output(output: Path, overwrite: bool) -> None:
 
 
 def publish(tokenizer: PreTrainedTokenizerFast, output: Path) -> None:
-    """Saved beside the output, then renamed into place: a kill leaves the old tokenizer or the new one whole."""
+    """Saved beside the output, then renamed into place: a kill leaves the old tokenizer or the new one whole; a
+    failed save (a full disk) removes what it wrote."""
     output.parent.mkdir(parents=True, exist_ok=True)
     staging, retired = output.with_name(f".{output.name}.tmp"), output.with_name(f".{output.name}.old")
     for leftover in (staging, retired):
         shutil.rmtree(leftover, ignore_errors=True)
-    tokenizer.save_pretrained(staging)
+    try:
+        tokenizer.save_pretrained(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if output.exists():
         output.rename(retired)
     staging.rename(output)
@@ -109,4 +134,4 @@ def publish(tokenizer: PreTrainedTokenizerFast, output: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,11 +8,13 @@ The model directory (e.g. `final/` or a `python -m recipes.export` output) goes 
 own loading applies: `--device cuda --dtype bfloat16` for one GPU, `--parallelize` to shard a 70B model over every
 GPU of the node (`device_map="auto"`). Writes lm-eval's results JSON (`results`, `n-samples`, `configs`, ...) and
 prints its table. Without --mmlu-dir / --gsm8k-dir the stock hub tasks are used, which needs the network.
+
+Exit codes (docs/run-safety.md): 0 done; 2 bad input, one line, before the model is loaded; 4 a full disk (the
+results file, or a cache written on the way): make room, then the same command evaluates again.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,13 +23,14 @@ import time
 import traceback
 from pathlib import Path
 
+from common.exit_codes import BAD_INPUT, DISK_FULL, DONE, OneLineParser, disk_full, disk_full_line, fail
 from data_prep.benchmark_files import BenchmarkDataError
 from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
 from eval.harness import BenchmarkSettings, PromptLengths, evaluate, format_table, write_results
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="directory of a saved model (and its tokenizer)")
     parser.add_argument("--tokenizer", help="tokenizer directory when it is not saved with the model")
     parser.add_argument("--tasks", default="mmlu,gsm8k", help="comma-separated: mmlu, gsm8k")
@@ -54,29 +57,57 @@ def main(argv: list[str] | None = None) -> int:
         max_gen_toks=args.max_gen_toks,
     )
     try:
-        settings.check()
-        if not (Path(args.model) / "config.json").is_file():
-            raise ValueError(f"--model {args.model}: no config.json there; expected a saved model directory")
-        what = "--tokenizer" if args.tokenizer else "--model (no --tokenizer given, so its tokenizer)"
-        tokenizer = load_tokenizer(args.tokenizer or args.model, what)
-        model_args(args.device, args.dtype, args.parallelize)  # the choice is checked before the model is loaded
-        check_output(Path(args.output), [Path(args.model), Path(args.tokenizer or args.model)])
+        tokenizer = check_inputs(args, settings)
     except (BenchmarkDataError, TokenizerLoadError, ValueError) as error:
         if args.debug or os.environ.get("LOG_LEVEL", "").upper() == "DEBUG":
             traceback.print_exc()
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return fail(str(error), BAD_INPUT)
     started = time.perf_counter()
-    results = evaluate(str(args.model), tokenizer, settings, **model_args(args.device, args.dtype, args.parallelize))
+    try:
+        results = evaluate(str(args.model), tokenizer, settings,
+                           **model_args(args.device, args.dtype, args.parallelize))  # fmt: skip
+    except OSError as error:  # a cache written on the way (the datasets library's)
+        return disk_full_exit(args.output, error, "a cache file", "it evaluates again")
     seconds = time.perf_counter() - started
-    write_results(results, args.output)
-    print(format_table(results))
+    print(format_table(results))  # before the file: a full disk there still leaves the scores in the log
+    try:
+        write_results(results, args.output)
+    except OSError as error:
+        return disk_full_exit(args.output, error, "the results", "it evaluates again (the scores are above)")
     samples = sum(n["effective"] for n in results["n-samples"].values())
     print(f"{samples} documents in {seconds:.1f} s ({seconds / max(samples, 1):.2f} s per document); {args.output}")
     truncated = PromptLengths(**results["prompt_lengths"]).warning(f"warning: {args.model}")
     if truncated:
         print(truncated, file=sys.stderr)
-    return 0
+    return DONE
+
+
+def disk_full_exit(output: str, error: OSError, what: str, then: str) -> int:
+    """DISK_FULL and its one line; any other OSError goes on (a bug or the environment's: Python's exit 1)."""
+    full = disk_full(error)
+    if full is None:
+        raise error
+    return fail(disk_full_line(output, full, then, what=what), DISK_FULL)
+
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_inputs(args, settings: BenchmarkSettings):
+    """Everything a person may have got wrong, before the model is loaded (minutes at 70B): the benchmark data, the
+    model directory, its tokenizer, the device and dtype, the output. Returns the tokenizer."""
+    settings.check()
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: no config.json there; expected a saved model directory")
+    what = "--tokenizer" if args.tokenizer else "--model (no --tokenizer given, so its tokenizer)"
+    tokenizer = load_tokenizer(args.tokenizer or args.model, what)
+    if not any((model / name).is_file() for name in WEIGHTS):  # a traceback from transformers before
+        raise ValueError(f"--model {args.model}: no weights there (none of {', '.join(WEIGHTS)}); expected a saved "
+                         "model directory (final/ or a python -m recipes.export output)")  # fmt: skip
+    model_args(args.device, args.dtype, args.parallelize)  # the choice is checked before the model is loaded
+    check_output(Path(args.output), [model, Path(args.tokenizer or args.model)])
+    return tokenizer
 
 
 def model_args(device: str, dtype: str, parallelize: bool) -> dict:

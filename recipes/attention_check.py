@@ -10,8 +10,10 @@ runs every document alone, and prints one JSON line: `attn_implementation`, `mic
 `checks`, `path` (`varlen`, `block_mask` or `none`: the branch transformers took), `kernel`, `max_abs_diff` between
 the packed logits and each document's own, and `ok`. With `document_masking: true` the check is that documents are
 kept apart (the difference within `tolerance`); with it false, that they do see each other (the difference above it,
-as the recipe then trains), and a line on stderr says that nothing is masked. Exit code 0 when ok, 1 when not, 2 for
-bad input. Progress goes to stderr.
+as the recipe then trains), and a line on stderr says that nothing is masked. Exit code 0 when ok; 2 for bad input
+(one line) and when the check fails (the JSON, then an `error:` line naming what failed): either way a person must
+change the recipe or the environment, and the same command fails the same way until then (docs/run-safety.md).
+Progress goes to stderr.
 
 On a CPU, a model wider than 1024 is checked *narrowed* (`width` in the JSON): the same head size, query heads per
 key-value head, rows, sequence length, attention implementation and inputs, with fewer heads (so a 70B layer's 64
@@ -27,7 +29,6 @@ and the difference is the reference kernel's.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import random
@@ -38,6 +39,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.exit_codes import BAD_INPUT, DONE, OneLineParser, fail
 from recipes.config import ConfigError, load_config
 
 NARROW_HIDDEN = 1024  # on a CPU, wider models are checked with fewer heads (see the module docstring)
@@ -319,7 +321,7 @@ def check_arguments(num_layers: int | None, vocab_size: int | None, device: str)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="recipe YAML")
     parser.add_argument("--num-layers", type=int, help="build this many decoder layers instead of the recipe's")
     parser.add_argument("--vocab-size", type=int, help="when neither model_config nor a local tokenizer gives one")
@@ -334,22 +336,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_arguments(args.num_layers, args.vocab_size, device)
         config = load_config(args.config, overrides)
-        if not config.document_masking:
-            progress("document_masking is false: this checks that packed documents DO see each other, as this "
-                     "recipe trains; --document_masking true checks that they are kept apart")  # fmt: skip
         vocab_given = config.model_config.get("vocab_size") is not None or args.vocab_size is not None
         if not vocab_given and not Path(config.tokenizer_name_or_path).is_dir():
             raise ConfigError(
                 f"tokenizer_name_or_path {config.tokenizer_name_or_path} is not a local directory: "
                 "pass --vocab-size N (or set model_config.vocab_size)"
             )
+        if not config.document_masking:
+            progress("document_masking is false: this checks that packed documents DO see each other, as this "
+                     "recipe trains; --document_masking true checks that they are kept apart")  # fmt: skip
         result = run_check(config, device=device, dtype_name=dtype, num_layers=args.num_layers,
                            vocab_size=args.vocab_size, full_width=args.full_width)  # fmt: skip
     except (ConfigError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return fail(str(error), BAD_INPUT)
     print(json.dumps(result))
-    return 0 if result["ok"] else 1
+    return DONE if result["ok"] else fail(verdict(args.config, result), BAD_INPUT)
+
+
+def verdict(config: str, result: dict[str, Any]) -> str:
+    """The one line of a failed check: what was expected, what was found, and which keys decide it."""
+    masking = "true" if result["document_masking"] else "false"
+    return (f"--config {config}: the check failed: {result['checks']} was expected, but transformers took path "
+            f"{result['path']} (expected {result['expected_path']}) and max_abs_diff is {result['max_abs_diff']:.3g} "
+            f"(tolerance {result['tolerance']:g}): attn_implementation {result['attn_implementation']} with "
+            f"document_masking {masking} does not train as the recipe says here; choose another attn_implementation "
+            "or transformers version (docs/training.md, document masking)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ an output that is, holds or lies inside the run, the checkpoint or the tokenizer
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.exit_codes import BAD_INPUT, DISK_FULL, DONE, OneLineParser, disk_full, disk_full_line, fail
 from common.process import peak_rss_bytes
 
 if __package__ in (None, ""):
@@ -406,7 +406,9 @@ def _write_record(config: PretrainConfig, launch: Launch, trainer: Trainer, stop
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Exit codes (docs/run-safety.md): 0 exported; 2 bad input, one line; 4 the output's disk is full (make room,
+    then the same command exports again: nothing half-written is published)."""
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a complete checkpoint-N directory of a run")
     parser.add_argument("--output", required=True, help="the model directory to write (refused if it exists)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weights' dtype (default bfloat16)")
@@ -418,13 +420,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         output = export_checkpoint(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                    tokenizer_path=args.tokenizer, overwrite=args.overwrite)  # fmt: skip
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
+    except Exception as error:  # a full disk comes as a ConfigError, an OSError or safetensors' own error
+        full = disk_full(error)
+        if full is not None:
+            return fail(disk_full_line(args.output, full, "it exports again (nothing was published)"), DISK_FULL)
+        if isinstance(error, ConfigError):
+            return fail(str(error), BAD_INPUT)
+        raise
     peak_mb = peak_rss_bytes() / 2**20
     print(f"exported {args.checkpoint} to {output} (peak memory {peak_mb:.0f} MB)")
-    return 0
+    return DONE
 
 
 if __name__ == "__main__":

@@ -19,15 +19,16 @@ counts them; activations per Korthikanti et al. 2022 (34·s·b·h bytes per laye
 fused attention kernel, no s² term); FLOPs per token 6N + 12·L·s·h (PaLM, appendix B). Step time from the
 communication model of `recipes.planning.step_time` on the hardware profile's wires; `--mfu` replaces it with a
 fixed utilisation.
+
+Exit codes (docs/run-safety.md): 0 done; 2 bad input, one line. It writes no file.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 
+from common.exit_codes import BAD_INPUT, DONE, OneLineParser, fail
 from recipes.config import (
     HARDWARE_KEYS,
     ConfigError,
@@ -44,7 +45,7 @@ from recipes.planning.step_time import (
 
 
 def parse_args(argv: list[str] | None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--gpus", type=int)
     parser.add_argument("--nodes", type=int)
@@ -88,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                               "--profile)")  # fmt: skip
         check_cluster_flags(args)
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return fail(str(error), BAD_INPUT)
     if args.tokens is not None or (args.search and args.max_nodes):
         return cluster_answer(args, config, hardware, ds_config, plan)
     days = reachable(plan, args.days) if args.days is not None else None
@@ -104,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
                                          for c, p in ranked], "shipped_rank": rank}))  # fmt: skip
         else:
             print(format_search(ranked, shipped, rank, hardware))
-        return 0
+        return DONE
     if args.json:
         print(json.dumps({**json_summary(plan), **(days or {})}))
     else:
         print(format_plan(plan, config) + ("\n" + format_reachable(days, plan) if days else ""))
-    return 0
+    return DONE
 
 
 def check_cluster_flags(args) -> None:
@@ -129,19 +129,18 @@ def cluster_answer(args, config, hardware, ds_config, plan) -> int:
     try:
         found = clusters(config, hardware, ds_config, max_nodes, vocab_size=plan.vocab_size)
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return fail(str(error), BAD_INPUT)
     tokens = args.tokens or plan.total_steps * config.resolved_global_batch_size(hardware.gpus) * config.max_seq_length
     if args.tokens is not None:
         answer = deadline_answer(found, tokens, args.days, config, hardware, max_nodes)
         print(json.dumps(answer) if args.json else format_deadline(answer, hardware))
-        return 0
+        return DONE
     if args.json:
         print(json.dumps({"clusters": [cluster.summary(tokens) for cluster in
                                        sorted(found, key=lambda cluster: -cluster.tokens_per_s)]}))  # fmt: skip
     else:
         print(format_clusters(found, tokens, hardware))
-    return 0
+    return DONE
 
 
 if __name__ == "__main__":
