@@ -118,3 +118,22 @@ def test_elastic_drift_builds_valid_launches_and_compares_losses(tmp_path, corpu
     refused = subprocess.run([sys.executable, "-m", "benchmarks.elastic_drift", "--steps", "4", "--change-at", "4"],
                              cwd=REPO, env=LAUNCH_ENV, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert refused.returncode == 2 and "--change-at 4: must be between 1 and --steps - 1 (3)" in refused.stderr
+
+
+def test_data_cost_counts_each_stages_cpu_time_on_a_small_corpus(tmp_path, corpus):
+    """Tokenizer training and preprocessing on the small corpus (cleaning's commands are walked by its own tests):
+    every stage's CPU time is counted (the workers' too) and priced per TB and per cluster."""
+    from benchmarks.data_cost import cluster_hours, per_tb
+
+    out = tmp_path / "cost.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.data_cost", "--input", str(corpus["validation"]),
+                             "--work", str(tmp_path / "work"), "--stages", "tokenizer,preprocess", "--vocab-size",
+                             "512", "--workers", "2", "--json-output", str(out)], cwd=REPO, env=LAUNCH_ENV,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["stages"]) == {"tokenizer", "preprocess"}
+    for stage in report["stages"].values():
+        expected = per_tb(stage["cpu_s"], report["input_mb"])
+        assert stage["cpu_s"] > 0 and stage["core_hours_per_tb"] == pytest.approx(expected)
+    assert per_tb(3600, 1e6) == 1 and cluster_hours(1280, 14, 8, 64) == pytest.approx(35)
