@@ -2,6 +2,7 @@
 
     python -m benchmarks.clean_quality --input 'realtext/*.jsonl' --output /tmp/bench [--workers 2] [--copies 2000]
     python -m benchmarks.clean_quality --input 'realtext/*.jsonl' --presets    # 3. only
+    python -m benchmarks.clean_quality --input 'realtext/*.jsonl' --compare-speed [--preset curated] [--rounds 2]  # 4.
 
 1. Throughput: the corpus cleaned with the shipped filters and dedup off (filters alone), then with dedup on too.
    MB/s per core = input MB / wall seconds / workers. Peak memory: the largest resident set of any one process of
@@ -16,6 +17,14 @@
    over the documents that are neither.
 3. With `--presets` (instead of 1 and 2): the corpus cleaned with each shipped preset as it is (filters and dedup):
    the share of documents and bytes each step kept of what it saw, the share of the corpus kept, the warnings.
+4. With `--compare-speed` (instead of 1 and 2): the corpus cleaned with a shipped preset (`--preset`, filters and
+   dedup) by datatrove's filters and tokenizer as they ship ("stock", data_prep.clean with DATA_PREP_CLEAN_STOCK=1)
+   and by the pipeline a run builds ("shared_split": one word splitter for every filter and MinHash, Gopher's
+   n-grams counted faster), alternately, `--rounds` times each (stock first): wall seconds and MB/s per core of each
+   run, and its CPU seconds (user and system, of every process of the run) with MB per CPU second, which another
+   load on the machine changes far less than the wall time; then the documents whose keep/remove decision or kept
+   text differs between the two (with the step and reason each pipeline gave, from their removed documents) and
+   whether the removals by step and reason are equal.
 Prints a table, then one JSON line.
 """
 
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import random
 import re
 import subprocess
@@ -77,20 +87,24 @@ def plant(docs: list[tuple[str, str]], copies: int, folder: Path, rng: random.Ra
     return pairs
 
 
-def clean(inputs: list[str], output: Path, config: dict | str, workers: int) -> dict:
-    """One data_prep.clean run in a process of its own, with `config` or the preset of that name: wall seconds, peak
-    RSS of its largest process, kept ids."""
+def clean(
+    inputs: list[str], output: Path, config: dict | str, workers: int, env: dict | None = None, *extra: str
+) -> dict:
+    """One data_prep.clean run in a process of its own, with `config` or the preset of that name (and `env` added to
+    its environment, `extra` to its arguments): wall seconds, peak RSS of its largest process, kept ids."""
     if isinstance(config, str):
         chosen = ["--preset", config]
     else:
         chosen = ["--config", str(output.with_suffix(".yaml"))]
         output.with_suffix(".yaml").write_text(yaml.safe_dump(config, sort_keys=False))  # filters run in this order
     command = [sys.executable, "-m", "data_prep.clean", "--input", *inputs, "--output", str(output), *chosen,
-               "--workers", str(workers)]  # fmt: skip
+               "--workers", str(workers), *extra]  # fmt: skip
     probe = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL)"
-             ".returncode; print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")  # fmt: skip
+             ".returncode; used = resource.getrusage(resource.RUSAGE_CHILDREN); print(used.ru_maxrss, "
+             "used.ru_utime + used.ru_stime); sys.exit(code)")  # fmt: skip
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", probe, *command], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", probe, *command], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, **(env or {})})  # fmt: skip
     wall_s = time.perf_counter() - started
     if result.returncode != 0:
         raise SystemExit(f"data_prep.clean failed: {result.stderr[-2000:]}")
@@ -98,7 +112,8 @@ def clean(inputs: list[str], output: Path, config: dict | str, workers: int) -> 
     for shard in sorted((output / "data").glob("*.jsonl.zst")):
         with open_binary(shard) as handle:
             kept.update(json.loads(line)["id"] for line in handle)
-    return {"wall_s": wall_s, "peak_rss_mb": int(result.stdout.split()[-1]) / 1024, "kept": kept}
+    peak_rss_kb, cpu_s = result.stdout.split()[-2:]
+    return {"wall_s": wall_s, "cpu_s": float(cpu_s), "peak_rss_mb": int(peak_rss_kb) / 1024, "kept": kept}
 
 
 def shingles(text: str) -> set[int]:
@@ -194,6 +209,95 @@ def presets(files: list[str], work: Path, workers: int) -> dict:
     return result
 
 
+SPEED_PIPELINES = {"stock": {"DATA_PREP_CLEAN_STOCK": "1"}, "shared_split": {"DATA_PREP_CLEAN_STOCK": "0"}}
+
+
+def kept_texts(output: Path) -> dict[str, str]:
+    kept = {}
+    for shard in sorted((output / "data").glob("*.jsonl.zst")):
+        with open_binary(shard) as handle:
+            kept.update((record["id"], record["text"]) for record in map(json.loads, handle))
+    return kept
+
+
+def removal_reasons(output: Path) -> dict[str, str]:
+    """{id: "step: reason"} of every document a run removed (its `--keep-removed` folders)."""
+    reasons = {}
+    for shard in sorted((output / "removed").glob("*/*.jsonl.zst")):
+        with open_binary(shard) as handle:
+            for record in map(json.loads, handle):
+                reasons[record["id"]] = f"{shard.parent.name}: {record['metadata'].get('filter_reason')}"
+    return reasons
+
+
+def removed_by_step(output: Path) -> dict:
+    """{step: {reason: {"docs", "bytes"}}} from a run's report."""
+    steps = json.loads((output / "clean_report.json").read_text())["steps"]
+    return {step: tally["removed"] for step, tally in steps.items()}
+
+
+def why(reasons: dict[str, dict[str, str]], doc_id: str) -> dict[str, str]:
+    """What each pipeline did with one document: "kept" or "step: reason"."""
+    return {name: removed.get(doc_id, "kept") for name, removed in reasons.items()}
+
+
+def compare_speed(files: list[str], work: Path, workers: int, preset: str, rounds: int) -> dict:
+    """Stock and shared-split pipelines alternately on the same corpus, workers and machine (4. in the docstring).
+    Where decisions differ, each pipeline runs once more, untimed, with --keep-removed to name its reasons."""
+    megabytes = sum(len(text.encode()) for _, text in documents(files)) / 1e6
+    runs, last = [], {}
+    for round_index in range(rounds):
+        for name, env in SPEED_PIPELINES.items():
+            output = work / f"speed_{name}_{round_index}"
+            run = clean(files, output, preset, workers, env)
+            runs.append({"pipeline": name, "round": round_index, "wall_s": run["wall_s"],
+                         "mb_per_s_per_core": megabytes / run["wall_s"] / workers, "cpu_s": run["cpu_s"],
+                         "mb_per_cpu_s": megabytes / run["cpu_s"], "peak_rss_mb": run["peak_rss_mb"]})  # fmt: skip
+            last[name] = output
+    stock, shared = (kept_texts(last[name]) for name in SPEED_PIPELINES)
+    read = json.loads((last["stock"] / "clean_report.json").read_text())["read"]["docs_out"]
+    differ = sorted(set(stock) ^ set(shared) | {doc_id for doc_id in set(stock) & set(shared)
+                                                 if stock[doc_id] != shared[doc_id]})  # fmt: skip
+    reasons = {name: {} for name in SPEED_PIPELINES}
+    if differ:
+        for name, env in SPEED_PIPELINES.items():
+            clean(files, work / f"speed_{name}_removed", preset, workers, env, "--keep-removed")
+            reasons[name] = removal_reasons(work / f"speed_{name}_removed")
+    removals = [removed_by_step(last[name]) for name in SPEED_PIPELINES]
+    mean = {name: sum(run["wall_s"] for run in runs if run["pipeline"] == name) / rounds for name in SPEED_PIPELINES}
+    cpu = {name: sum(run["cpu_s"] for run in runs if run["pipeline"] == name) / rounds for name in SPEED_PIPELINES}
+    return {
+        "input_mb": megabytes,
+        "workers": workers,
+        "preset": preset,
+        "runs": runs,
+        "stock_mb_per_s_per_core": megabytes / mean["stock"] / workers,
+        "shared_split_mb_per_s_per_core": megabytes / mean["shared_split"] / workers,
+        "speedup": mean["stock"] / mean["shared_split"],
+        "stock_mb_per_cpu_s": megabytes / cpu["stock"],
+        "shared_split_mb_per_cpu_s": megabytes / cpu["shared_split"],
+        "cpu_speedup": cpu["stock"] / cpu["shared_split"],
+        "documents": read,
+        "decisions_same": read - len(differ),
+        "agreement": (read - len(differ)) / max(read, 1),
+        "decisions_differ": [{"id": doc_id, **why(reasons, doc_id)} for doc_id in differ],
+        "removals_by_step_and_reason_equal": removals[0] == removals[1],
+    }
+
+
+def print_speed(measured: dict) -> None:
+    print(f"{measured['input_mb']:.1f} MB, --workers {measured['workers']}, --preset {measured['preset']}")
+    for run in measured["runs"]:
+        print(f"{run['pipeline']:>14} round {run['round']}: {run['wall_s']:.1f} s, {run['mb_per_s_per_core']:.3f} "
+              f"MB/s per core; {run['cpu_s']:.1f} CPU s, {run['mb_per_cpu_s']:.3f} MB per CPU s; peak "
+              f"{run['peak_rss_mb']:.0f} MB")  # fmt: skip
+    print(f"speedup {measured['speedup']:.2f}x (wall), {measured['cpu_speedup']:.2f}x (CPU); decisions the same for "
+          f"{measured['decisions_same']:,} of {measured['documents']:,} documents; removals by step and reason equal: "
+          f"{measured['removals_by_step_and_reason_equal']}")  # fmt: skip
+    for changed in measured["decisions_differ"]:
+        print(f"differs: {changed}")
+
+
 def print_presets(measured: dict) -> None:
     for name, preset in measured.items():
         print(f"--preset {name}: {preset['docs']:,} documents, {preset['mb']:.1f} MB in; kept "
@@ -213,11 +317,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copies", type=int, default=2000, help="near-copies planted for the recall measurement")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--presets", action="store_true", help="only the shipped presets' kept shares (3.)")
+    parser.add_argument(
+        "--compare-speed",
+        action="store_true",
+        help="only stock against shared-split pipeline, alternately, and their decisions (4.)",
+    )
+    parser.add_argument("--preset", default="web", help="the shipped preset --compare-speed runs")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each pipeline with --compare-speed")
     args = parser.parse_args(argv)
     files = sorted({path for pattern in args.input for path in (glob.glob(pattern) or [pattern])})
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(args.output or scratch)
         work.mkdir(parents=True, exist_ok=True)
+        if args.compare_speed:
+            measured = compare_speed(files, work, args.workers, args.preset, args.rounds)
+            print_speed(measured)
+            print(json.dumps(measured))
+            return 0
         if args.presets:
             measured = presets(files, work, args.workers)
             print_presets(measured)

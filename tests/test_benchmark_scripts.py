@@ -91,6 +91,19 @@ def test_clean_quality_measures_what_each_preset_keeps(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_clean_quality_compares_stock_and_shared_split_speed_and_decisions(tmp_path):
+    from tests.test_clean import write_cleaning_corpus
+
+    corpus = write_cleaning_corpus(tmp_path / "raw", documents=12, copies=2)
+    report = run_benchmark("clean_quality", "--input", *corpus["files"], "--compare-speed", "--rounds", "1")
+    assert [run["pipeline"] for run in report["runs"]] == ["stock", "shared_split"]
+    assert min(min(run["mb_per_s_per_core"], run["mb_per_cpu_s"]) for run in report["runs"]) > 0
+    assert report["speedup"] > 0 and report["cpu_speedup"] > 0
+    assert report["documents"] == 12 + 2 + 2 and report["decisions_same"] == 16 and report["agreement"] == 1.0
+    assert report["decisions_differ"] == [] and report["removals_by_step_and_reason_equal"] is True
+
+
+@pytest.mark.multiprocess
 def test_zero3_host_tax_times_plain_torch_and_both_granularities():
     report = run_benchmark("zero3_host_tax", "--layers", "4", "--steps", "1", "--rounds", "1")
     cpu = report["cpu_s_per_step"]

@@ -29,6 +29,7 @@ from datatrove.utils.word_tokenizers import load_word_tokenizer
 from common.files import atomic_write_text, fingerprint, fingerprint_change
 from data_prep.cleaning.report import REPORT_JSON
 from data_prep.cleaning.stages import CleanJob, stages
+from data_prep.cleaning.words import MemoTokenizer
 
 SETTINGS = "settings.json"
 SLURM_JOBS = "slurm_jobs.json"
@@ -260,8 +261,10 @@ def run_local(job: CleanJob, workers: int, log=print) -> None:
     """Every stage in turn on this machine; a stage's completed tasks are skipped."""
     clear_errors(job.work)
     log(f"log: {job.work / LOG}")
-    # spaCy's import and tokenizer (~1.8 s) once here, inherited by every forked task process, not paid in each
+    # spaCy's import and tokenizers (~1.8 s) once here, inherited by every forked task process, not paid in each:
+    # datatrove's (its filters' own, for a language the shared splitter leaves to it) and the shared splitter's
     load_word_tokenizer(job.config.language).word_tokenize("warm up")
+    MemoTokenizer(job.config.language).word_tokenize("warm up")
     with stderr_to(job.work / LOG):
         for stage in stages(job):
             started = time.perf_counter()

@@ -28,10 +28,17 @@ from datatrove.pipeline.dedup.minhash import (
 
 from data_prep.cleaning.config import CleanConfig
 from data_prep.cleaning.report import NEAR_DUPLICATES, write_clean_report
+from data_prep.cleaning.signatures import SignatureStep
 from data_prep.cleaning.steps import Audited, CorpusReader, ShardReader, shard_writer
+from data_prep.cleaning.words import MemoTokenizer
 
 WORK_DIR = ".clean"
 DATA_DIR = "data"
+# "1": the filters and MinHash exactly as datatrove ships them, each splitting words with datatrove's tokenizer.
+# Only for measuring the difference (python -m benchmarks.clean_quality --compare-speed): a run otherwise shares
+# one splitter (data_prep.cleaning.words), counts Gopher's n-grams faster (repetition) and simplifies MinHash's text
+# faster (signatures), to the same decisions.
+STOCK_ENV = "DATA_PREP_CLEAN_STOCK"
 
 
 @dataclass(frozen=True)
@@ -63,13 +70,22 @@ class Stage:
     tasks: int
 
 
+def word_splitter(language: str) -> str | MemoTokenizer:
+    """What the filters and MinHash split words with: one splitter shared by all of them (its memo of chunks serves
+    each), or datatrove's own tokenizer for `language` when STOCK_ENV is set."""
+    return language if os.environ.get(STOCK_ENV) == "1" else MemoTokenizer(language)
+
+
 def stages(job: CleanJob) -> list[Stage]:
     """The pipelines in the order they run; each stage needs the one before it complete."""
     config, work, dedup = job.config, str(job.work), job.config.dedup
     after_filters = job.folder("filtered") if dedup.enabled else job.folder("staging")
+    words = word_splitter(config.language)
+    fast = not isinstance(words, str)
+    signature_step = SignatureStep if fast else MinhashDedupSignature
     filtering = [
         CorpusReader(list(job.files), job.text_field, job.strict, job.skip_corrupt_files, work),
-        *(Audited(choice.name, choice.build(config.language), work, job.keep_removed) for choice in config.filters),
+        *(Audited(choice.name, choice.build(words, fast=fast), work, job.keep_removed) for choice in config.filters),
         shard_writer(after_filters),
     ]
     chosen = [Stage("filter", filtering, job.tasks)]
@@ -78,8 +94,7 @@ def stages(job: CleanJob) -> list[Stage]:
         buckets, clusters = job.folder("minhash/buckets"), job.folder("minhash/clusters")
         duplicates = Audited(NEAR_DUPLICATES, MinhashDedupFilter(clusters), work, job.keep_removed)
         chosen += [
-            Stage("signatures", [ShardReader(after_filters), MinhashDedupSignature(signatures, minhash,
-                                                                                   config.language)], job.tasks),
+            Stage("signatures", [ShardReader(after_filters), signature_step(signatures, minhash, words)], job.tasks),
             Stage("buckets", [MinhashDedupBuckets(signatures, buckets, config=minhash)], dedup.num_buckets),
             Stage("clusters", [MinhashDedupCluster(buckets, clusters, minhash, save_cluster_size=True)], 1),
             Stage("dedup", [ShardReader(after_filters), duplicates, shard_writer(job.folder("staging"))], job.tasks),
