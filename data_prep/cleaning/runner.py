@@ -26,6 +26,7 @@ import psutil
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.utils.word_tokenizers import load_word_tokenizer
 
+from common.exit_codes import BAD_INPUT, DISK_FULL, FULL, RETRY, os_error_in
 from common.files import atomic_write_text, fingerprint, fingerprint_change
 from data_prep.cleaning.report import REPORT_JSON
 from data_prep.cleaning.stages import CleanJob, stages
@@ -41,37 +42,25 @@ class CleanError(RuntimeError):
     """A refusal or a failure the user can act on; the message says what and where. Exit 2: bad input, the same
     command fails the same way until a person changes something (docs/data-cleaning.md, "Exit codes")."""
 
-    exit_code = 2
+    exit_code = BAD_INPUT
 
 
 class CleanCrashed(CleanError):
     """A task process died (the OOM killer, a kill) or a task failed for a reason that is not its input's: exit 1,
     the code a scheduler requeues on; the same command continues from the tasks that finished."""
 
-    exit_code = 1
+    exit_code = RETRY
 
 
 class OutputFull(CleanError):
     """The output's filesystem is full (disk, quota, file-size limit): exit 4. Not the input's fault, and a rerun
     fails again until someone makes room: a person must act, as for training's failed save (also 4)."""
 
-    exit_code = 4
+    exit_code = DISK_FULL
 
 
-FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # Errors of the place, not of the moment: a directory this user cannot write, a read-only mount, a file in the way.
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR)
-
-
-def os_error_in(error: BaseException | None) -> OSError | None:
-    """The OSError that caused `error` (itself, or one along its chain of causes), if any."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError) and error.errno is not None:
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
 
 
 def output_error(error: BaseException, out: Path) -> CleanError | None:
