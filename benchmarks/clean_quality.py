@@ -45,7 +45,7 @@ from pathlib import Path
 
 import yaml
 
-from data_prep.readers import iter_records, open_binary
+from data_prep.reading.readers import iter_records, open_binary
 
 REPO = Path(__file__).resolve().parent.parent
 MIN_WORDS, MIN_LINES, CHANGED_WORDS = 200, 3, 0.02
@@ -167,7 +167,7 @@ def quality(files: list[str], copies: int, work: Path, workers: int, rng: random
 
 
 def throughput(files: list[str], work: Path, workers: int) -> dict:
-    from data_prep.cleaning.config import load_clean_config
+    from data_prep.quality.cleaning.config import load_clean_config
 
     shipped = load_clean_config().to_dict()
     megabytes = sum(len(text.encode()) for _, text in documents(files)) / 1e6
@@ -184,8 +184,8 @@ def throughput(files: list[str], work: Path, workers: int) -> dict:
 def presets(files: list[str], work: Path, workers: int) -> dict:
     """Each shipped preset on the corpus as it is: per step the share of documents and bytes kept of what it saw and
     its most common removal reason (by bytes), then the share of the corpus kept."""
-    from data_prep.cleaning.config import PRESETS
-    from data_prep.cleaning.report import removed_bytes_by_reason
+    from data_prep.quality.cleaning.config import PRESETS
+    from data_prep.quality.cleaning.report import removed_bytes_by_reason
 
     result = {}
     for name in PRESETS:

@@ -70,7 +70,7 @@ def streaming_pipeline(path: str, tokenizer, seq_len: int, workers: int = 0) -> 
     through a DataLoader with `workers` worker processes, each tokenizing its share on one thread."""
     from torch.utils.data import DataLoader
 
-    from data_prep.stream import PackedTextStream
+    from data_prep.packing.stream import PackedTextStream
 
     stream = PackedTextStream([path], tokenizer, seq_len)
     if not workers:
@@ -119,7 +119,7 @@ def run_clm_approach(path: str, tokenizer, seq_len: int, cache_dir: str) -> tupl
 
 def offline_preprocess(path: str, tokenizer_dir: str, seq_len: int, workers: int, output: str,
                        filters=None) -> tuple[dict, float]:  # fmt: skip
-    from data_prep.preprocess import preprocess
+    from data_prep.preprocessing.pipeline import preprocess
 
     return timed(
         lambda: preprocess(tokenizer_dir, [path], output, seq_len, workers, log=lambda _: None, filters=filters)
@@ -134,7 +134,8 @@ def benchmark_sized_filters(texts: list[str]):
     """Filters as a decontaminating run uses them, with an index of the real benchmarks' size."""
     import random
 
-    from data_prep.filters import FilterSpec, normalized_words
+    from data_prep.quality.filters import FilterSpec
+    from data_prep.quality.normalization import normalized_words
 
     vocabulary = sorted({word.decode("utf-8", "replace") for text in texts[:2000] for word in normalized_words(text)})
     rng = random.Random(0)
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from data_prep.readers import iter_texts
+    from data_prep.reading.readers import iter_texts
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     texts = list(iter_texts(args.input))

@@ -39,9 +39,9 @@ GLOBAL_BATCH_ROWS = 32
 
 def build_data(work: Path) -> dict[str, Path]:
     """A demo corpus (Python's own sources), a 1024-token tokenizer and 128-token packed rows, once per `work`."""
-    from data_prep import demo_corpus
-    from data_prep.pipeline import preprocess
-    from data_prep.train_tokenizer import main as train_tokenizer
+    from data_prep.preprocessing.pipeline import preprocess
+    from data_prep.reading import demo_corpus
+    from data_prep.tokenizer.training import main as train_tokenizer
 
     paths = {"tokenizer": work / "tokenizer", "packed": work / "packed", "validation": work / "data/validation.jsonl"}
     if not (paths["packed"] / "manifest.json").exists():

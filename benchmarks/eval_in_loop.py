@@ -74,8 +74,8 @@ def worker(args) -> None:
 
 def make_tokenizer(directory: Path) -> Path:
     """A 1,024-token BPE trained on a slice of the demo corpus (nothing downloaded)."""
-    from data_prep import demo_corpus
-    from data_prep.train_tokenizer import main as train_tokenizer
+    from data_prep.reading import demo_corpus
+    from data_prep.tokenizer.training import main as train_tokenizer
 
     demo_corpus.build(directory / "data", train_bytes=400_000, validation_bytes=10_000)
     train_tokenizer(["--input", str(directory / "data/train.jsonl"), "--vocab-size", "1024", "--output",

@@ -94,9 +94,9 @@ def environment() -> dict[str, Any]:
 
 def make_fixtures(work: Path, scale: Scale, seq_len: int) -> dict[str, Any]:
     """Corpus, tokenizer, packed rows and benchmark data at the paths the recipe names (relative to the work dir)."""
-    from data_prep import demo_corpus
-    from data_prep.preprocess import main as preprocess
-    from data_prep.train_tokenizer import main as train_tokenizer
+    from data_prep.preprocessing.cli import main as preprocess
+    from data_prep.reading import demo_corpus
+    from data_prep.tokenizer.training import main as train_tokenizer
     from eval import fixtures
 
     started = time.perf_counter()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 def read_rows(dataset, rows: int, micro: int = 8) -> float:
     """Seconds to read `rows` rows in the order rank 0 of 1 reads them."""
-    from data_prep.packed_dataset import GlobalBatchSampler
+    from data_prep.packing.packed_dataset import GlobalBatchSampler
 
     sampler = GlobalBatchSampler(len(dataset), micro, 1, 1, 0)
     started, read = time.perf_counter(), 0
@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--rows", type=int, default=20_000)
     args = parser.parse_args(argv)
-    from data_prep.packed_dataset import MixedRows, PackedRows
-    from data_prep.preprocess import preprocess
+    from data_prep.packing.packed_dataset import PackedRows
+    from data_prep.parts.mixture import MixedRows
+    from data_prep.preprocessing.pipeline import preprocess
 
     lines = Path(args.input).read_text().splitlines(keepends=True)
     with tempfile.TemporaryDirectory() as scratch:

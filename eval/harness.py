@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from common.files import atomic_write_text
-from data_prep.benchmark_files import mmlu_layout
+from data_prep.benchmark_files.layouts import mmlu_layout
 from eval.agreement import EvaluationStopped, FailedOnAnotherRank, stopping_on_signal
 
 logger = logging.getLogger("eval")
@@ -51,7 +51,12 @@ class BenchmarkSettings:
         """Before any expensive work: known task names, numbers that can work, and local data that loads with a
         few-shot split large enough. `names` maps the fields to what the user set (eval.run's flags by default).
         Any number of test documents works on any number of ranks (`eval.sharded`)."""
-        from data_prep.benchmark_files import HUB_GSM8K_TRAIN_ROWS, HUB_MMLU_DEV_ROWS, gsm8k_split_rows, mmlu_split_rows
+        from data_prep.benchmark_files.layouts import (
+            HUB_GSM8K_TRAIN_ROWS,
+            HUB_MMLU_DEV_ROWS,
+            gsm8k_split_rows,
+            mmlu_split_rows,
+        )
 
         names = {**FLAG_NAMES, **(names or {})}
         unknown = [task for task in self.tasks if task not in SUPPORTED_TASKS]

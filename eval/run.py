@@ -24,8 +24,8 @@ import traceback
 from pathlib import Path
 
 from common.exit_codes import BAD_INPUT, DISK_FULL, DONE, OneLineParser, disk_full, disk_full_line, fail
-from data_prep.benchmark_files import BenchmarkDataError
-from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+from data_prep.benchmark_files.layouts import BenchmarkDataError
+from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer
 from eval.harness import BenchmarkSettings, PromptLengths, evaluate, format_table, write_results
 
 

@@ -5,7 +5,7 @@
 
 Builds the recipe's model (any depth with `--num-layers`: attention is the same in every layer) and one micro-batch
 of `per_device_train_batch_size` rows of `max_seq_length` tokens, packed from random documents the way training
-packs them (`data_prep.packing`), with the model inputs training gives it (`recipes.training.attention`). Runs it,
+packs them (`data_prep.packing.rows`), with the model inputs training gives it (`recipes.training.attention`). Runs it,
 runs every document alone, and prints one JSON line: `attn_implementation`, `micro_batch`, `document_masking`,
 `checks`, `path` (`varlen`, `block_mask` or `none`: the branch transformers took), `kernel`, `max_abs_diff` between
 the packed logits and each document's own, and `ok`. With `document_masking: true` the check is that documents are
@@ -52,7 +52,7 @@ def packed_batch(rows: int, seq_len: int, vocab_size: int, eos_id: int, seed: in
     """`rows` packed rows of `seq_len` ids from random documents (mean length seq_len / 3), EOS after each."""
     import torch
 
-    from data_prep.packing import pack_documents
+    from data_prep.packing.rows import pack_documents
 
     rng = random.Random(seed)
     ids = [i for i in range(min(vocab_size, 50_000)) if i != eos_id]
@@ -296,7 +296,7 @@ def _tokenizer_facts(config) -> tuple[int, int | None]:
     """(EOS id, vocabulary size) of the recipe's tokenizer when it is a local directory; (0, None) otherwise (the
     model's vocabulary then comes from model_config, or `--vocab-size`)."""
     if Path(config.tokenizer_name_or_path).is_dir():
-        from data_prep.tokenizer_dir import load_tokenizer
+        from data_prep.tokenizer.loading import load_tokenizer
 
         tokenizer = load_tokenizer(config.tokenizer_name_or_path, "tokenizer_name_or_path")
         return tokenizer.eos_token_id, len(tokenizer)

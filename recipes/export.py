@@ -150,8 +150,8 @@ def _recorded_tokenizer_sha256(checkpoint: Path) -> str | None:
 def _the_runs_tokenizer(checkpoint: Path, tokenizer_dir: Path):
     """The tokenizer in `tokenizer_dir`, refused when it is not the one the run trained with (a tokenizer trained
     again into the same directory would pair another vocabulary with the embeddings)."""
-    from data_prep.format import tokenizer_identity
-    from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+    from data_prep.packing.format import tokenizer_identity
+    from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(str(tokenizer_dir), "the run's tokenizer (--tokenizer)")
@@ -169,8 +169,8 @@ def _the_runs_tokenizer(checkpoint: Path, tokenizer_dir: Path):
 
 def _warn_if_replaced(checkpoint: Path, tokenizer, tokenizer_dir: Path) -> None:
     """The live run exports the tokenizer it trained with; a directory that now holds another one is said."""
-    from data_prep.format import tokenizer_identity
-    from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+    from data_prep.packing.format import tokenizer_identity
+    from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer
 
     try:
         on_disk = tokenizer_identity(load_tokenizer(str(tokenizer_dir), "tokenizer_name_or_path"), tokenizer_dir)

@@ -45,8 +45,8 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
     """Python standard-library sources as jsonl (1.5 MB train, 0.2 MB validation) and a 1024-token BPE."""
 
     def build(root: Path) -> dict[str, str]:
-        from data_prep import demo_corpus
-        from data_prep.train_tokenizer import main as train_tokenizer
+        from data_prep.reading import demo_corpus
+        from data_prep.tokenizer.training import main as train_tokenizer
 
         demo_corpus.build(root / "data", train_bytes=1_500_000, validation_bytes=200_000)
         train_tokenizer(["--input", str(root / "data" / "train.jsonl"), "--vocab-size", "1024", "--output",
@@ -222,3 +222,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
 
     items.sort(key=rank)  # stable: the order inside each file, and of the other files, is kept
+
+
+def old_tree(tmp_path_factory, commit: str) -> Path:
+    """The project's files at an earlier commit of this repository (the compatibility tests run the old code)."""
+    tree = tmp_path_factory.mktemp(commit)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"commit {commit} is not in this clone's history (shallow clone?)")
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree

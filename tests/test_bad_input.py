@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from data_prep.filters import FilterSpec
-from data_prep.packing import split_text
-from data_prep.preprocess import PreprocessError, main, preprocess
-from data_prep.readers import CorruptFileError, iter_texts
+from data_prep.packing.rows import split_text
+from data_prep.preprocessing.cli import PreprocessError, main, preprocess
+from data_prep.quality.filters import FilterSpec
+from data_prep.reading.readers import CorruptFileError, iter_texts
 from tests.conftest import LAUNCH_ENV, REPO, kill_whole_tree
 
 SEQ = 64
@@ -265,7 +265,7 @@ def test_a_full_disk_is_one_line_and_the_same_command_finishes_after_it(tmp_path
 
 @pytest.mark.parametrize("manifest", ["{}", "[]", '{"seq_len": 64, "tokenizer": {}, "shards": [{}]}', "not json"])
 def test_a_preprocessing_manifest_of_the_wrong_shape_is_named(tmp_path, manifest):
-    from data_prep.packed_dataset import PackedRows
+    from data_prep.packing.packed_dataset import PackedRows
 
     (tmp_path / "manifest.json").write_text(manifest)
     with pytest.raises(ValueError, match=r"manifest.json: not (a preprocessing manifest|valid JSON)"):
@@ -273,7 +273,7 @@ def test_a_preprocessing_manifest_of_the_wrong_shape_is_named(tmp_path, manifest
 
 
 def test_a_tokenizer_directory_without_tokenizer_files_is_named(tmp_path, capsys):
-    from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+    from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer
     from eval.run import main as eval_main
 
     (tmp_path / "model").mkdir()
@@ -294,7 +294,7 @@ def test_a_tokenizer_directory_without_tokenizer_files_is_named(tmp_path, capsys
 def test_the_training_stream_tokenizes_a_long_document_in_pieces_to_the_same_ids(corpus, monkeypatch):
     from transformers import AutoTokenizer
 
-    import data_prep.stream as stream
+    import data_prep.packing.stream as stream
 
     tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
     texts = list(iter_texts(corpus["train"]))[:6]
@@ -312,7 +312,7 @@ def test_the_training_stream_tokenizes_a_long_document_in_pieces_to_the_same_ids
 def test_json_lines_read_as_the_standard_json_module_reads_them(tmp_path):
     """What each kind of odd line gives, pinned for any faster parser tried later (orjson refuses lone surrogate
     escapes and NaN, which json takes, and parsed no faster here: the stream's time is the tokenizer's)."""
-    from data_prep.readers import iter_records
+    from data_prep.reading.readers import iter_records
 
     lines = [b'{"text": "caf\xc3\xa9"}', b'{"text": "\\ud800 lone"}', b'{"score": NaN, "text": "nan beside"}',
              b'{"n": 123456789012345678901234567890, "text": "big"}', b'{"text": "\xff"}', b'{"text": "cut',

@@ -23,8 +23,8 @@ import zstandard
 
 from benchmarks.clean_quality import near_copy
 from common.process import kill_tree
-from data_prep.cleaning.config import CleanConfigError, load_clean_config
-from data_prep.readers import open_binary
+from data_prep.quality.cleaning.config import CleanConfigError, load_clean_config
+from data_prep.reading.readers import open_binary
 from tests.conftest import LAUNCH_ENV, REPO
 
 STOP_WORDS = ["the", "of", "and", "to", "in", "that", "with", "is", "was", "for", "on", "as", "be", "have", "it"]
@@ -198,7 +198,7 @@ def test_a_kill_at_any_moment_is_continued_by_the_same_command_to_the_same_outpu
 
 def refusal(capsys, inputs: list[str], output: Path, *extra: str) -> str:
     """A refusal that comes before any work, from the command's main in this process: its one stderr line."""
-    from data_prep.clean import main
+    from data_prep.quality.cleaning.cli import main
 
     assert main(["--input", *inputs, "--output", str(output), *extra]) == 2
     error = capsys.readouterr().err
@@ -217,7 +217,7 @@ def test_changed_settings_or_inputs_are_refused_naming_them(cleaned, tmp_path, c
     copied = [shutil.copy(path, tmp_path) for path in cleaned["files"]]
     out = tmp_path / "out"
     assert run_clean(copied, out, "--config", str(config)).returncode == 0
-    from data_prep.clean import main
+    from data_prep.quality.cleaning.cli import main
 
     assert main(["--input", *copied, "--output", str(out), "--config", str(config)]) == 0
     assert "already complete" in capsys.readouterr().out
@@ -342,7 +342,7 @@ def test_a_value_of_the_wrong_type_names_the_key_and_the_type_only(tmp_path):
 def test_every_filter_argument_has_a_rule_its_default_keeps_and_the_edges_are_exact(tmp_path):
     import inspect
 
-    from data_prep.cleaning.config import ARGUMENT_RULES, FILTER_CLASSES, NOT_SETTABLE, filter_class
+    from data_prep.quality.cleaning.config import ARGUMENT_RULES, FILTER_CLASSES, NOT_SETTABLE, filter_class
 
     for name in FILTER_CLASSES:
         parameters = inspect.signature(filter_class(name).__init__).parameters
@@ -377,7 +377,7 @@ def test_the_shipped_config_loads_and_a_wrong_one_is_one_line_from_the_command(t
 def test_the_local_word_list_and_unknown_character_filters(tmp_path):
     from datatrove.data import Document
 
-    from data_prep.cleaning.steps import LocalBadWordsFilter, UnknownCharacterFilter
+    from data_prep.quality.cleaning.steps import LocalBadWordsFilter, UnknownCharacterFilter
 
     words = tmp_path / "en"
     words.write_text("badword\nvery bad phrase\n")
@@ -392,7 +392,7 @@ def test_the_local_word_list_and_unknown_character_filters(tmp_path):
 
 @pytest.mark.multiprocess
 def test_preprocessing_takes_the_output_as_it_is_and_its_report_links_the_cleaning(cleaned, corpus, tmp_path):
-    from data_prep.preprocess import preprocess
+    from data_prep.preprocessing.pipeline import preprocess
 
     shards = sorted(str(path) for path in (cleaned["out"] / "data").glob("*.jsonl.zst"))
     manifest = preprocess(str(corpus["tokenizer"]), shards, str(tmp_path / "packed"), 64, 1, log=lambda *_: None)
@@ -405,7 +405,7 @@ def test_preprocessing_takes_the_output_as_it_is_and_its_report_links_the_cleani
 def test_a_stage_does_not_start_while_a_task_of_the_stages_before_it_is_unfinished(tmp_path):
     """What stops the stages after a failed task under Slurm, where datatrove chains the arrays of a stage of over
     1001 tasks with afterany."""
-    from data_prep.cleaning.stages import AfterStages
+    from data_prep.quality.cleaning.stages import AfterStages
 
     completions = tmp_path / "stages" / "filter" / "completions"
     completions.mkdir(parents=True)
@@ -433,7 +433,7 @@ def test_a_stage_leaves_no_pool_thread_to_race_the_interpreter_exit(tmp_path, mo
 
     from datatrove.executor import LocalPipelineExecutor
 
-    from data_prep.cleaning.runner import run_stage
+    from data_prep.quality.cleaning.runner import run_stage
 
     def pool_threads() -> list:
         return [thread for thread in threading.enumerate() if type(thread).__name__ == "_ExecutorManagerThread"]

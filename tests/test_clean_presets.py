@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from data_prep.cleaning.config import PRESETS, filters_table, load_clean_config
-from data_prep.cleaning.report import RUN_WARNING, STEP_WARNING, clean_warnings
+from data_prep.quality.cleaning.config import PRESETS, filters_table, load_clean_config
+from data_prep.quality.cleaning.report import RUN_WARNING, STEP_WARNING, clean_warnings
 from tests.conftest import REPO
 from tests.test_clean import english_like, output_lines, refusal, run_clean
 
@@ -131,16 +131,16 @@ def test_a_warning_when_the_run_removes_over_half_or_a_filter_over_a_third_of_wh
 def test_every_key_a_warning_names_is_an_argument_of_a_filter():
     import inspect
 
-    from data_prep.cleaning.config import FILTER_CLASSES, filter_class
-    from data_prep.cleaning.report import REASON_KEYS
+    from data_prep.quality.cleaning.config import FILTER_CLASSES, filter_class
+    from data_prep.quality.cleaning.report import REASON_KEYS
 
     arguments = {key for name in FILTER_CLASSES for key in inspect.signature(filter_class(name).__init__).parameters}
     assert set(REASON_KEYS.values()) | {"top_n_grams", "dup_n_grams", "min_words_per_line"} <= arguments
 
 
 def test_the_filter_table_in_the_docs_is_the_generated_one_and_lists_every_argument(capsys):
-    from data_prep.clean import main
-    from data_prep.cleaning.config import FILTER_CLASSES, NOT_SETTABLE, filter_class
+    from data_prep.quality.cleaning.cli import main
+    from data_prep.quality.cleaning.config import FILTER_CLASSES, NOT_SETTABLE, filter_class
 
     generated = filters_table()
     assert main(["--list-filters"]) == 0
@@ -188,7 +188,7 @@ def test_a_changed_config_on_a_rerun_is_refused_naming_each_changed_key(technica
 
 
 def test_the_inputs_of_a_changed_rerun_are_named_as_files_added_and_removed():
-    from data_prep.cleaning.runner import changed_settings
+    from data_prep.quality.cleaning.runner import changed_settings
 
     before = {"inputs": ["/a", "/b", "/c"], "config": {"language": "eng"}, "filter_order": ["x", "y"], "tasks": 3}
     after = {"inputs": ["/a", "/c", "/d"], "config": {"language": "eng"}, "filter_order": ["y", "x"], "tasks": 3}
@@ -199,7 +199,7 @@ def test_the_inputs_of_a_changed_rerun_are_named_as_files_added_and_removed():
 
 
 def test_the_data_report_of_a_cleaned_corpus_repeats_its_warnings(tmp_path):
-    from data_prep.cleaning.report import REPORT_JSON, cleaning_section
+    from data_prep.quality.cleaning.report import REPORT_JSON, cleaning_section
 
     report = a_report(1000, {"gopher_quality": (1000, 300, {"gopher_below_alpha_threshold": 700})})
     report |= {"read": {"docs_out": 10, "bytes_out": 1000}, "output": {"docs": 3, "bytes": 300}}

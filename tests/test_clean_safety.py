@@ -53,7 +53,7 @@ def test_the_table_of_exit_codes_names_a_test_that_checks_each_code():
 def test_each_way_a_stage_fails_gets_the_exit_code_a_scheduler_should_act_on(tmp_path):
     """A task process that died (the OOM killer) or a task that crashed: 1, run again. A full disk, quota or file-size
     limit: 4, make room first. An output that cannot be written, or a task's message about bad input: 2."""
-    from data_prep.cleaning.runner import stage_failure
+    from data_prep.quality.cleaning.runner import stage_failure
 
     work = tmp_path / ".clean"
     died = stage_failure(BrokenProcessPool("gone"), "dedup", work)
@@ -77,7 +77,7 @@ def test_each_way_a_stage_fails_gets_the_exit_code_a_scheduler_should_act_on(tmp
 def test_squeue_that_does_not_answer_is_run_again_and_one_that_is_absent_is_for_a_person(tmp_path, monkeypatch):
     """A Slurm controller that times out is a moment's failure (1: requeue); no squeue on this host is the place's
     (2). Either way the command does not start a second run beside jobs that may still be writing."""
-    from data_prep.cleaning import runner
+    from data_prep.quality.cleaning import runner
 
     (tmp_path / runner.SLURM_JOBS).write_text('["41"]')
     monkeypatch.setattr(runner.time, "sleep", lambda seconds: None)
@@ -209,10 +209,10 @@ def test_an_input_pattern_that_matches_the_output_is_refused_naming_it(tmp_path,
 def test_the_report_counts_the_bytes_c4_cut_from_the_documents_it_kept(tmp_path):
     """C4's filter drops short lines from a document and keeps the rest: those bytes are neither a removed document
     nor kept. The report had no field for them."""
-    from data_prep.cleaning.config import CleanConfig, DedupConfig, FilterChoice
-    from data_prep.cleaning.report import build_report
-    from data_prep.cleaning.stages import CleanJob
-    from data_prep.cleaning.steps import Audited, CorpusReader
+    from data_prep.quality.cleaning.config import CleanConfig, DedupConfig, FilterChoice
+    from data_prep.quality.cleaning.report import build_report
+    from data_prep.quality.cleaning.stages import CleanJob
+    from data_prep.quality.cleaning.steps import Audited, CorpusReader
 
     sentences = " ".join(f"This is sentence number {n} of the page." for n in range(6))
     kept = f"Home\nMenu\n{sentences}"  # C4: "Home" and "Menu" have fewer than 3 words

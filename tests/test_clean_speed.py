@@ -1,8 +1,8 @@
 """The faster cleaning filters decide exactly as datatrove's stock ones (docs/data-cleaning.md, "Faster, to the same
-decisions"): the shared word splitter (data_prep.cleaning.words) gives datatrove's spaCy words and sentences, the
-Gopher repetition filter's n-gram counts (data_prep.cleaning.repetition) and MinHash's shingles (data_prep.cleaning.
-signatures) are datatrove's, and each filter of both presets keeps, removes (with the same reason) and rewrites every
-document of a small fixture as the stock filter does.
+decisions"): the shared word splitter (data_prep.quality.cleaning.words) gives datatrove's spaCy words and sentences,
+the Gopher repetition filter's n-gram counts (data_prep.quality.cleaning.repetition) and MinHash's shingles
+(data_prep.quality.cleaning.signatures) are datatrove's, and each filter of both presets keeps, removes (with the same
+reason) and rewrites every document of a small fixture as the stock filter does.
 The fixture: prose, documentation pages with code, the standard library's own sources, and strings built to trip
 a tokenizer (contractions, abbreviations, emoticons, URLs, every kind of whitespace)."""
 
@@ -26,12 +26,12 @@ from datatrove.pipeline.filters.gopher_repetition_filter import find_all_duplica
 from datatrove.utils.text import simplify_text
 from datatrove.utils.word_tokenizers import load_word_tokenizer
 
-from data_prep.cleaning import repetition
-from data_prep.cleaning.config import PRESETS, CleanConfig, DedupConfig, FilterChoice, load_clean_config
-from data_prep.cleaning.repetition import RepetitionFilter, WordNGrams
-from data_prep.cleaning.signatures import SignatureStep, simplified
-from data_prep.cleaning.stages import STOCK_ENV, CleanJob, stages
-from data_prep.cleaning.words import RUNS, MemoTokenizer
+from data_prep.quality.cleaning import repetition
+from data_prep.quality.cleaning.config import PRESETS, CleanConfig, DedupConfig, FilterChoice, load_clean_config
+from data_prep.quality.cleaning.repetition import RepetitionFilter, WordNGrams
+from data_prep.quality.cleaning.signatures import SignatureStep, simplified
+from data_prep.quality.cleaning.stages import STOCK_ENV, CleanJob, stages
+from data_prep.quality.cleaning.words import RUNS, MemoTokenizer
 from tests.test_clean import REPETITION, english_like
 from tests.test_clean_presets import technical_document
 

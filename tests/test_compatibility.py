@@ -9,21 +9,21 @@ import sys
 
 import pytest
 
-from tests.conftest import CPU_ACCELERATE_CONFIG, LAUNCH_ENV, REPO, free_port, launch, tiny_overrides, train_losses
+from tests.conftest import (
+    CPU_ACCELERATE_CONFIG,
+    LAUNCH_ENV,
+    REPO,
+    free_port,
+    launch,
+    old_tree,
+    tiny_overrides,
+    train_losses,
+)
 
 pytestmark = pytest.mark.multiprocess
 
 BEFORE_RESTRUCTURING = "f7f6868"
 BEFORE_REGROUPING = "379b0f4"
-
-
-def old_tree(tmp_path_factory, commit: str):
-    tree = tmp_path_factory.mktemp(commit)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True)
-    if archive.returncode != 0:
-        pytest.skip(f"commit {commit} is not in this clone's history (shallow clone?)")
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    return tree
 
 
 @pytest.mark.parametrize("commit", [BEFORE_RESTRUCTURING, BEFORE_REGROUPING])

@@ -9,10 +9,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.filters import BenchmarkIndex, FilterSpec, SeenHashes, benchmark_items, normalized_words
-from data_prep.preprocess import main, preprocess
-from data_prep.readers import iter_texts
-from data_prep.tokenizer_dir import load_tokenizer
+from data_prep.preprocessing.cli import main, preprocess
+from data_prep.quality.decontamination import BenchmarkIndex, benchmark_items
+from data_prep.quality.dedup import SeenHashes
+from data_prep.quality.filters import FilterSpec
+from data_prep.quality.normalization import normalized_words
+from data_prep.reading.readers import iter_texts
+from data_prep.tokenizer.loading import load_tokenizer
 
 SEQ = 64
 MMLU_QUESTION = (

@@ -7,9 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from data_prep import demo_corpus
-from data_prep.readers import file_format, is_hub_dataset_name, iter_texts, resolve_sources
-from data_prep.train_tokenizer import main as train_tokenizer
+from data_prep.reading import demo_corpus
+from data_prep.reading.readers import file_format, is_hub_dataset_name, iter_texts, resolve_sources
+from data_prep.tokenizer.training import main as train_tokenizer
 
 
 def test_readers_for_each_format(tmp_path):

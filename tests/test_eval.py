@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from data_prep.benchmark_files import BenchmarkDataError, check_gsm8k, check_mmlu, load_gsm8k, load_mmlu_subject
+from data_prep.benchmark_files.layouts import BenchmarkDataError, check_gsm8k, check_mmlu, load_gsm8k, load_mmlu_subject
 from eval import fixtures
 from eval.harness import MMLU_SUBJECTS, BenchmarkSettings, evaluate, task_manager
 from eval.in_loop import capture_rng_state, run_benchmarks

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from common.exit_codes import BAD_INPUT, DISK_FULL, DONE, RETRY
-from data_prep.readers import iter_texts
+from data_prep.reading.readers import iter_texts
 from tests.conftest import LAUNCH_ENV, REPO, TINY_RECIPE, kill_whole_tree
 
 SEQ = 64
@@ -144,7 +144,7 @@ def test_preprocess_an_output_it_cannot_make_is_one_line_before_any_work(corpus,
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory, corpus) -> list[Path]:
     """The two parts of a small preprocessing split over two machines."""
-    from data_prep.preprocess import preprocess
+    from data_prep.preprocessing.pipeline import preprocess
 
     root = tmp_path_factory.mktemp("parts")
     texts = list(iter_texts(corpus["validation"]))
@@ -305,6 +305,6 @@ def test_the_table_names_for_every_command_a_test_that_checks_each_code_it_gives
 
 
 def test_cleaning_gives_the_same_numbers_the_other_commands_name():
-    from data_prep.cleaning.runner import CleanCrashed, CleanError, OutputFull
+    from data_prep.quality.cleaning.runner import CleanCrashed, CleanError, OutputFull
 
     assert (CleanError.exit_code, CleanCrashed.exit_code, OutputFull.exit_code) == (BAD_INPUT, RETRY, DISK_FULL)

@@ -178,7 +178,7 @@ def test_a_tokenizer_trained_again_into_the_runs_directory_is_refused_and_a_live
     from disk refuses a tokenizer that is not the run's."""
     from transformers import AutoTokenizer
 
-    from data_prep.train_tokenizer import main as train_tokenizer
+    from data_prep.tokenizer.training import main as train_tokenizer
     from recipes.config import config_from_dict
     from recipes.export import export_run
     from recipes.training.checkpointing import read_config

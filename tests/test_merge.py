@@ -9,11 +9,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.merge import main as merge_main
-from data_prep.merge import merge
-from data_prep.pipeline import select_part
-from data_prep.preprocess import preprocess
-from data_prep.readers import iter_texts
+from data_prep.parts.merge import main as merge_main
+from data_prep.parts.merge import merge
+from data_prep.preprocessing.pipeline import preprocess, select_part
+from data_prep.reading.readers import iter_texts
 
 SEQ = 64
 
@@ -151,7 +150,7 @@ def test_a_file_still_being_copied_while_the_parts_start_is_never_merged_twice(t
 
 
 def test_one_file_named_twice_is_refused_before_any_work(tmp_path, corpus):
-    from data_prep.progress import PreprocessError
+    from data_prep.preprocessing.progress import PreprocessError
 
     source = tmp_path / "a.jsonl"
     source.write_text(json.dumps({"text": "hello world"}) + "\n")

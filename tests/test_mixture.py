@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from data_prep.mixture import Blend, MixtureError
-from data_prep.packed_dataset import MixedRows, PackedRows
-from data_prep.preprocess import preprocess
+from data_prep.packing.packed_dataset import PackedRows
+from data_prep.parts.mixture import Blend, MixedRows, MixtureError
+from data_prep.preprocessing.pipeline import preprocess
 from recipes.config import ConfigError, PretrainConfig, config_from_dict
 from recipes.telemetry.metrics import read_metrics
 from recipes.training.train_data import TrainData

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from data_prep.packing import dropped_tail_tokens, pack_documents
-from data_prep.stream import PackedTextStream, shard_documents
+from data_prep.packing.rows import dropped_tail_tokens, pack_documents
+from data_prep.packing.stream import PackedTextStream, shard_documents
 
 EOS = 0
 
@@ -87,7 +87,7 @@ def test_shards_cover_many_short_files_and_parquet(tmp_path, num_shards):
 
 
 def test_with_enough_files_each_reader_opens_only_its_own(tmp_path, monkeypatch):
-    import data_prep.stream as stream
+    import data_prep.packing.stream as stream
 
     paths = []
     for f in range(7):
@@ -108,7 +108,7 @@ def test_with_enough_files_each_reader_opens_only_its_own(tmp_path, monkeypatch)
 def test_document_position_ids_restart_after_every_eos():
     import torch
 
-    from data_prep.packing import document_position_ids
+    from data_prep.packing.rows import document_position_ids
 
     ids = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 3], [0, 0, 4, 4, 4, 4, 4, 0]])
     assert document_position_ids(ids, eos_id=0).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 0, 0, 1, 2, 3, 4, 5]]
@@ -119,7 +119,7 @@ def test_document_masking_makes_a_packed_document_see_only_itself(attn):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from data_prep.packing import document_position_ids
+    from data_prep.packing.rows import document_position_ids
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -28,7 +28,7 @@ def test_a_busy_metrics_port_is_refused_before_the_model_is_built():
 def test_a_preprocessed_directory_without_a_global_batch_is_refused(tmp_path, corpus):
     """Refused when the training data is opened, before the model (no launch needed to see the answer)."""
 
-    from data_prep.preprocess import preprocess
+    from data_prep.preprocessing.pipeline import preprocess
     from recipes.config import ConfigError
     from recipes.training.train_data import TrainData, open_train_source
 
@@ -173,7 +173,7 @@ def test_an_output_dir_that_cannot_be_written_is_refused_in_one_line(corpus, tmp
 
 
 def test_a_directory_made_for_another_row_length_is_refused(corpus, tmp_path):
-    from data_prep.preprocess import preprocess
+    from data_prep.preprocessing.pipeline import preprocess
 
     packed = tmp_path / "packed"
     preprocess(str(corpus["tokenizer"]), [str(corpus["validation"])], str(packed), 128, 1)
@@ -262,8 +262,8 @@ def test_a_running_runs_tokenizer_cannot_be_trained_over(corpus, tmp_path, capsy
     import shutil
 
     from common.lock import held_by_someone
-    from data_prep.tokenizer_dir import tokenizer_pin
-    from data_prep.train_tokenizer import main as train_tokenizer
+    from data_prep.tokenizer.loading import tokenizer_pin
+    from data_prep.tokenizer.training import main as train_tokenizer
     from recipes.config.deepspeed import load_deepspeed_json, resolve_deepspeed_config
     from recipes.training.startup import preflight
 

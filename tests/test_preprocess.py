@@ -14,10 +14,10 @@ import zstandard
 from transformers import AutoTokenizer
 
 from common.files import sha256_of
-from data_prep.packed_dataset import GlobalBatchSampler, PackedRows, micro_batch_rows
-from data_prep.packing import pack_documents
-from data_prep.preprocess import PreprocessError, main, preprocess
-from data_prep.readers import iter_texts
+from data_prep.packing.packed_dataset import GlobalBatchSampler, PackedRows, micro_batch_rows
+from data_prep.packing.rows import pack_documents
+from data_prep.preprocessing.cli import PreprocessError, main, preprocess
+from data_prep.reading.readers import iter_texts
 from recipes.config import PretrainConfig
 from recipes.training.train_data import TrainData
 
@@ -207,7 +207,7 @@ def test_a_resume_refuses_an_input_changed_under_the_same_name(tmp_path, corpus,
     file's positions: exit 0, "resumed", 657 of 862 documents, the rest silently lost."""
     import random
 
-    from data_prep import pipeline
+    from data_prep.preprocessing import pipeline
 
     paragraphs = [p for text in iter_texts(corpus["train"]) for p in text.split("\n\n") if p.strip()]
     source = tmp_path / "paragraphs.jsonl"

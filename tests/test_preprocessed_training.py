@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from data_prep.preprocess import preprocess
+from data_prep.preprocessing.pipeline import preprocess
 from recipes.training.checkpointing import read_manifest
 from tests.conftest import LAUNCH_ENV, REPO, data_position, forge_data_position, launch, tiny_overrides, train_losses
 

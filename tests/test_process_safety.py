@@ -94,7 +94,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_second_preprocessing_into_a_busy_output_stops_naming_the_holder(tmp_path, corpus, capsys):
-    from data_prep.preprocess import main as preprocess_main
+    from data_prep.preprocessing.cli import main as preprocess_main
 
     output = tmp_path / "packed"
     holder = hold_lock(output)

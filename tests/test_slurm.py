@@ -88,7 +88,7 @@ def test_a_node_lost_mid_run_is_survived_unattended_and_the_run_grows_back(slurm
     on n1 and n2 (the checkpoint converted, accumulation 2 -> 3 for the 48-row global batch); n3 comes back, the job
     is sent USR1 as before a time limit, saves, requeues itself and continues on three. Every step is trained once, on
     the rows the reference trained, with the same global batch and the same losses up to summation order."""
-    from data_prep.preprocess import preprocess
+    from data_prep.preprocessing.pipeline import preprocess
     from recipes.telemetry.metrics import read_metrics
     from recipes.training.checkpointing import read_manifest
     from tests.conftest import data_position
@@ -204,9 +204,9 @@ def test_the_scripts_forward_every_argument_intact(tmp_path):
 
 @pytest.mark.slurm
 def test_preprocessing_as_a_job_array_merges_into_the_single_machine_corpus(slurm, tmp_path, corpus):
-    from data_prep.merge import merge
-    from data_prep.preprocess import preprocess
-    from data_prep.readers import iter_texts
+    from data_prep.parts.merge import merge
+    from data_prep.preprocessing.pipeline import preprocess
+    from data_prep.reading.readers import iter_texts
 
     texts = list(iter_texts(corpus["train"]))
     inputs = []

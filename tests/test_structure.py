@@ -1,6 +1,7 @@
-"""The shape of the codebase, pinned: layers import one way (packages, and the roles inside `recipes`), no module
-imports itself back through others (TYPE_CHECKING and function-level imports included), the entry point is imported
-by nothing, and no function or module outside the tests grows past what a reader takes in at once."""
+"""The shape of the codebase, pinned: layers import one way (packages, and the roles inside `recipes` and
+`data_prep`), no module imports itself back through others (TYPE_CHECKING and function-level imports included), the
+entry point is imported by nothing, and no function or module outside the tests grows past what a reader takes in at
+once."""
 
 import ast
 from pathlib import Path
@@ -29,6 +30,22 @@ RECIPE_LAYERS = {
     "recipes.training": {"recipes.config", "recipes.architecture", "recipes.planning", "recipes.telemetry",
                          "recipes.training"},
 }  # fmt: skip
+# Inside `data_prep`, by role: reading files, loading tokenizers and the benchmarks' local copies at the bottom; quality
+# (filters, decontamination, dedup, cleaning) and packing (rows, the stream, the preprocessed format and its reader) on
+# them; preprocessing on all of those; parts and mixtures (merge, weighted blends) on top. The commands' modules at
+# the top of data_prep/ (`python -m data_prep.preprocess`, ...) only import their role's main.
+DATA_PREP_LAYERS = {
+    "data_prep.reading": {"data_prep.reading"},
+    "data_prep.benchmark_files": {"data_prep.benchmark_files"},
+    "data_prep.tokenizer": {"data_prep.reading", "data_prep.tokenizer"},
+    "data_prep.quality": {"data_prep.reading", "data_prep.benchmark_files", "data_prep.quality"},
+    "data_prep.packing": {"data_prep.reading", "data_prep.packing"},
+    "data_prep.preprocessing": {"data_prep.reading", "data_prep.tokenizer", "data_prep.benchmark_files",
+                                "data_prep.quality", "data_prep.packing", "data_prep.preprocessing"},
+    "data_prep.parts": {"data_prep.packing", "data_prep.preprocessing", "data_prep.parts"},
+}  # fmt: skip
+DATA_PREP_COMMANDS = {"preprocess": "preprocessing.cli", "clean": "quality.cleaning.cli", "merge": "parts.merge",
+                      "train_tokenizer": "tokenizer.training", "demo_corpus": "reading.demo_corpus"}  # fmt: skip
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 450
 
@@ -71,8 +88,9 @@ def test_nothing_imports_the_entry_point():
     assert not importers
 
 
-def test_the_training_dataset_does_not_import_the_preprocessing_cli():
-    assert "data_prep.preprocess" not in project_imports(REPO / "data_prep/packed_dataset.py")
+def test_the_training_dataset_does_not_import_preprocessing():
+    assert not any(name.startswith("data_prep.preprocess") for name in
+                   project_imports(REPO / "data_prep/packing/packed_dataset.py"))  # fmt: skip
 
 
 def test_no_function_is_longer_than_a_screen():
@@ -142,18 +160,44 @@ def test_the_cycle_check_would_see_the_callbacks_import_the_trainer_again():
     assert any({"recipes.training.callbacks", "recipes.training.trainer"} <= set(c) for c in find_cycles(graph))
 
 
-@pytest.mark.parametrize("role", sorted(RECIPE_LAYERS))
-def test_the_roles_inside_recipes_import_one_way(role):
-    graph = import_graph()
-    wrong = sorted(
+def wrong_role_imports(graph: dict[str, set[str]], role: str, layers: dict[str, set[str]]) -> list[str]:
+    package = role.split(".")[0] + "."
+    return sorted(
         f"{module} imports {target}"
         for module, targets in graph.items()
         if module == role or module.startswith(role + ".")
         for target in targets
-        if target.startswith("recipes.")
-        and not any(target == allowed or target.startswith(allowed + ".") for allowed in RECIPE_LAYERS[role])
+        if target.startswith(package)
+        and not any(target == allowed or target.startswith(allowed + ".") for allowed in layers[role])
     )
-    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("role", sorted(RECIPE_LAYERS))
+def test_the_roles_inside_recipes_import_one_way(role):
+    assert not (wrong := wrong_role_imports(import_graph(), role, RECIPE_LAYERS)), wrong
+
+
+@pytest.mark.parametrize("role", sorted(DATA_PREP_LAYERS))
+def test_the_roles_inside_data_prep_import_one_way(role):
+    assert not (wrong := wrong_role_imports(import_graph(), role, DATA_PREP_LAYERS)), wrong
+
+
+def test_the_data_prep_role_check_would_see_packing_import_preprocessing():
+    """Negative control: the packed rows' reader importing preprocessing (training would pull in the writer)."""
+    graph = import_graph()
+    graph["data_prep.packing.packed_dataset"].add("data_prep.preprocessing.pipeline")
+    assert wrong_role_imports(graph, "data_prep.packing", DATA_PREP_LAYERS)
+
+
+def test_data_prep_holds_roles_and_the_commands_only():
+    """Every module of data_prep/ is in a role's package, except the commands' own (which only import their main)."""
+    top = {path.stem for path in (REPO / "data_prep").glob("*.py")} - {"__init__"}
+    assert top == set(DATA_PREP_COMMANDS)
+    packages = {path.name for path in (REPO / "data_prep").iterdir() if (path / "__init__.py").exists()}
+    assert packages == {role.split(".")[1] for role in DATA_PREP_LAYERS}
+    for command, module in DATA_PREP_COMMANDS.items():
+        assert project_imports(REPO / "data_prep" / f"{command}.py") == {f"data_prep.{module}",
+                                                                         f"data_prep.{module}.main"}  # fmt: skip
 
 
 def test_no_module_is_longer_than_a_sitting():

@@ -24,7 +24,7 @@ def _directory(metadata_key: str, value: str | None) -> str:
 
 
 def _load(load, directory: str, raise_errors, *args):
-    from data_prep.benchmark_files import BenchmarkDataError
+    from data_prep.benchmark_files.layouts import BenchmarkDataError
 
     try:
         return _as_dataset_dict(load(directory, *args))
@@ -35,12 +35,12 @@ def _load(load, directory: str, raise_errors, *args):
 
 
 def mmlu_subject(subject: str, mmlu_dir: str | None = None, raise_errors=False, **_):
-    from data_prep.benchmark_files import load_mmlu_subject
+    from data_prep.benchmark_files.layouts import load_mmlu_subject
 
     return _load(lambda d, s: load_mmlu_subject(d, s), _directory("mmlu_dir", mmlu_dir), raise_errors, subject)
 
 
 def gsm8k(gsm8k_dir: str | None = None, raise_errors=False, **_):
-    from data_prep.benchmark_files import load_gsm8k
+    from data_prep.benchmark_files.layouts import load_gsm8k
 
     return _load(load_gsm8k, _directory("gsm8k_dir", gsm8k_dir), raise_errors)

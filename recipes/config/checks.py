@@ -108,7 +108,7 @@ def _validate_training_data(config: PretrainConfig) -> None:
         )
     if config.mixture_exhausted not in ("repeat", "stop"):
         raise ConfigError(f"mixture_exhausted {config.mixture_exhausted!r} is not one of ['repeat', 'stop']")
-    from data_prep.mixture import MixtureError, exact_weights
+    from data_prep.parts.mixture import MixtureError, exact_weights
 
     try:
         exact_weights([entry["weight"] for entry in config.train_mixture])

@@ -183,7 +183,7 @@ def local_mmlu_subjects(mmlu_dir: str | None) -> int:
     """Subjects in a local MMLU directory that is here; all 57 otherwise (the hub, or a cluster path)."""
     if not mmlu_dir or not Path(mmlu_dir).is_dir():
         return MMLU_SUBJECTS
-    from data_prep.benchmark_files import BenchmarkDataError, mmlu_layout
+    from data_prep.benchmark_files.layouts import BenchmarkDataError, mmlu_layout
 
     try:
         return len(mmlu_layout(mmlu_dir)[1])

@@ -48,7 +48,7 @@ def document_inputs(input_ids, eos_id: int | None, attn_implementation: str) -> 
     arguments (one host sync per micro-batch for the integer max length, not one per layer)."""
     if eos_id is None:
         return {}
-    from data_prep.packing import document_position_ids
+    from data_prep.packing.rows import document_position_ids
 
     position_ids = document_position_ids(input_ids, eos_id)
     if masking_path(attn_implementation, True) != "varlen":

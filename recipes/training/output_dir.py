@@ -107,13 +107,13 @@ def prepare(config: PretrainConfig, ds_config: dict, tokenizer) -> None:
 def keep_tokenizer(output_dir: Path, tokenizer, loaded_from: str) -> None:
     """`output_dir/tokenizer`: the tokenizer this run trains with, written atomically once (a resume finds the same
     one there: the run's identity refuses another tokenizer)."""
-    from data_prep.format import tokenizer_identity
+    from data_prep.packing.format import tokenizer_identity
 
     copy = output_dir / checkpointing.TOKENIZER_COPY
     if Path(loaded_from).resolve() == copy.resolve():
         return
     if copy.is_dir():
-        from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
+        from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer
 
         try:
             kept = load_tokenizer(str(copy), "the run's tokenizer copy")

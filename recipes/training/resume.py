@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from common.files import fingerprint, sha256_of
-from data_prep.format import MANIFEST as DATA_MANIFEST
-from data_prep.format import is_preprocessed, tokenizer_identity
+from data_prep.packing.format import MANIFEST as DATA_MANIFEST
+from data_prep.packing.format import is_preprocessed, tokenizer_identity
 from recipes.config import MODEL_CONFIG_KEYS, PretrainConfig, config_from_dict
 from recipes.training import checkpointing
 from recipes.training.checkpointing import CheckpointError
@@ -45,7 +45,7 @@ def data_identity(train_files: list[str]) -> list[dict[str, Any]]:
     keeps its identity."""
     if len(train_files) == 1 and is_preprocessed(train_files[0]):
         return [{"preprocessed_manifest_sha256": sha256_of(Path(train_files[0]) / DATA_MANIFEST)}]
-    from data_prep.readers import resolve_sources
+    from data_prep.reading.readers import resolve_sources
 
     identity = []
     for source in resolve_sources(train_files, "train_files"):
@@ -128,7 +128,7 @@ def as_shares(identity: dict[str, Any]) -> dict[str, Any]:
     sources = identity.get("train_data")
     if not isinstance(sources, list) or not sources or not all("weight" in source for source in sources):
         return identity
-    from data_prep.mixture import exact_weights
+    from data_prep.parts.mixture import exact_weights
 
     shares = exact_weights([float(source["weight"]) for source in sources])
     return {**identity, "train_data": [{**source, "weight": str(share)} for source, share in

@@ -15,8 +15,8 @@ import torch
 from common.collectives import on_every_rank, on_main_process
 from common.hardware import cpu_has_native_bf16
 from common.process import local_world_size
-from data_prep.readers import resolve_sources
-from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer, pin_tokenizer
+from data_prep.reading.readers import resolve_sources
+from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer, pin_tokenizer
 from eval.harness import BenchmarkSettings
 from recipes.config import (
     ConfigError,

@@ -4,7 +4,7 @@
 has consumed, and saves and restores that position (`state_dict` / `load_state_dict`) like any other stateful
 part of the run. It also owns the rules for resuming on another world size or dataloader worker count:
 
-- a preprocessed directory is read by a global row index (`data_prep.packed_dataset`), so its position is one
+- a preprocessed directory is read by a global row index (`data_prep.packing.packed_dataset`), so its position is one
   number that means the same on any number of processes, as long as the global batch stays the same;
 - a raw-text stream is sharded per (rank, dataloader worker), so its position is per rank and holds only for
   the same world size and worker count; restoring it reads past the consumed rows (the stream is deterministic).
@@ -25,11 +25,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from common.files import sha256_of
 from common.process import die_with_parent
-from data_prep.format import MANIFEST as DATA_MANIFEST
-from data_prep.format import is_preprocessed
-from data_prep.packed_dataset import GlobalBatchSampler, MixedRows, PackedRows
-from data_prep.readers import resolve_sources
-from data_prep.stream import PackedTextStream, sharding
+from data_prep.packing.format import MANIFEST as DATA_MANIFEST
+from data_prep.packing.format import is_preprocessed
+from data_prep.packing.packed_dataset import GlobalBatchSampler, PackedRows
+from data_prep.packing.stream import PackedTextStream, sharding
+from data_prep.parts.mixture import MixedRows
+from data_prep.reading.readers import resolve_sources
 from recipes.config import ConfigError, PretrainConfig
 
 logger = logging.getLogger("pretrain")

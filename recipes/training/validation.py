@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from data_prep.stream import PackedTextStream
+from data_prep.packing.stream import PackedTextStream
 from recipes.training.attention import DocumentMasking
 
 

@@ -280,3 +280,25 @@ def resolve_sources(patterns: list[str], key: str, allow_hub: bool = True) -> li
             raise ValueError(f"{key}: {first} and {source} are the same file (named twice, through a link, or matched "
                              "by two patterns); its documents would be read twice: name it once")  # fmt: skip
     return sources
+
+
+def check_inputs(patterns: list[str], text_field: str) -> list[str]:
+    """Every input exists, is readable and has a known format (parquet: the column), before any work (else a ValueError
+    that names the file); preprocessing and cleaning both start here."""
+    try:
+        sources = resolve_sources(patterns, "--input", allow_hub=False)
+    except FileNotFoundError as error:
+        raise ValueError(str(error)) from None
+    for source in sources:
+        if file_format(source) == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                names = pq.ParquetFile(source).schema_arrow.names
+            except Exception as error:  # pyarrow raises several types for a damaged file
+                raise ValueError(f"--input: {source} is not a readable parquet file ({error})") from None
+            try:
+                check_parquet_column(source, names, text_field)
+            except ValueError as error:
+                raise ValueError(f"--input: {error} (--text-field)") from None
+    return sources

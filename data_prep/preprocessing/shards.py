@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from common.files import sha256_of
-from data_prep.format import (
+from data_prep.packing.format import (
     shard_name,
 )
 

@@ -13,15 +13,15 @@ import numpy as np
 
 from common.files import atomic_write
 from common.lock import LOCK_FILE
-from data_prep.filters import CONTAMINATED, DUPLICATE
-from data_prep.format import (
+from data_prep.packing.format import (
     EXAMPLES_PER_REASON,
     MANIFEST,
     SHARD_DIR,
 )
-from data_prep.packing import MAX_DOCUMENT_CHARS
-from data_prep.readers import SKIP_REASONS
-from data_prep.report import CorpusStats
+from data_prep.packing.rows import MAX_DOCUMENT_CHARS
+from data_prep.preprocessing.report import CorpusStats
+from data_prep.quality.filters import CONTAMINATED, DUPLICATE
+from data_prep.reading.readers import SKIP_REASONS
 
 PROGRESS_DIR = ".progress"
 

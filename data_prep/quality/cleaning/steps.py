@@ -1,5 +1,5 @@
-"""The cleaning stage's own datatrove steps: the corpus reader (data_prep.readers, so that a bad line or a damaged
-archive is treated exactly as preprocessing treats it), a reader of one task's intermediate shard, two filters
+"""The cleaning stage's own datatrove steps: the corpus reader (data_prep.reading.readers, so that a bad line or a
+damaged archive is treated exactly as preprocessing treats it), a reader of one task's intermediate shard, two filters
 datatrove lacks in an offline form, and the audit around every filter: documents and bytes in and out, what was
 removed and why, and a few examples, saved per task as `audit/<step>/<rank>.json`."""
 
@@ -17,8 +17,8 @@ from datatrove.pipeline.filters.c4_filters import C4BadWordsFilter
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from common.files import atomic_write_text
-from data_prep.cleaning.report import EXAMPLES_PER_FILTER, READ_STEP
-from data_prep.readers import CorruptFileError, iter_records, open_binary
+from data_prep.quality.cleaning.report import EXAMPLES_PER_FILTER, READ_STEP
+from data_prep.reading.readers import CorruptFileError, iter_records, open_binary
 
 EXAMPLE_CHARS = 600
 SHARD_NAME = "${rank}.jsonl.zst"

@@ -16,6 +16,9 @@ from fractions import Fraction
 from math import lcm
 
 import numpy as np
+from torch.utils.data import Dataset
+
+from data_prep.packing.packed_dataset import PackedRows
 
 MAX_PERIOD = 1_000_000  # weights with up to 6 decimals
 
@@ -76,3 +79,28 @@ class Blend:
             middle = (low + high) // 2
             low, high = (middle, high) if all(self.counts(middle) <= rows) else (low, middle)
         return low
+
+
+class MixedRows(Dataset):
+    """Global sample i of a weighted mixture of preprocessed directories (the blend above). A source that
+    runs out wraps into its next epoch when `repeat`; otherwise the mixture ends before the first sample that
+    would need a row a source does not have."""
+
+    def __init__(self, sources: list[PackedRows], weights: list[float], repeat: bool, samples_wanted: int):
+        self.sources, self.repeat = sources, repeat
+        self.blend = Blend(weights)
+        self.rows = [len(source) for source in sources]
+        self._length = samples_wanted if repeat else self.blend.samples_until_exhausted(self.rows)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < self._length:
+            raise IndexError(f"sample {index} of {self._length}")
+        source, within = self.blend.locate(index)
+        return self.sources[source][within % self.rows[source]]
+
+    def drawn(self, samples: int) -> list[int]:
+        """Rows drawn from each source among the first `samples` samples (epochs included)."""
+        return [int(count) for count in self.blend.counts(samples)]

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from common.process import die_with_parent, peak_rss_bytes
-from data_prep.filters import (
+from data_prep.quality.filters import (
     FilterSpec,
     PieceExaminer,
 )

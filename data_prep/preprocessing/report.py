@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.cleaning.report import cleaning_section, find_clean_report
+from data_prep.quality.cleaning.report import cleaning_section, find_clean_report
 
 BINS_PER_OCTAVE = 16
 NUM_BINS = 32 * BINS_PER_OCTAVE  # lengths up to 2^32 tokens
@@ -44,7 +44,7 @@ class CorpusStats:
     short_documents: int = 0
 
     def add(self, kept) -> None:
-        """Count the kept documents (data_prep.filters.Kept)."""
+        """Count the kept documents (data_prep.quality.filters.Kept)."""
         for document in kept:
             while len(self.documents_per_input) <= document.file_index:
                 self.documents_per_input.append(0)

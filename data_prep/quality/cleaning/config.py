@@ -20,19 +20,19 @@ if TYPE_CHECKING:  # datatrove is imported later, offline (data_prep.clean)
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 PRESETS = {"web": DEFAULT_CONFIG, "curated": Path(__file__).with_name("curated.yaml")}
-# Filters that exist; the classes are datatrove's, except the two of data_prep.cleaning.steps (ours: no datatrove
-# filter measures decoding garbage; the C4 bad-words list is read from a local file instead of downloaded).
+# Filters that exist; the classes are datatrove's, except the two of data_prep.quality.cleaning.steps (ours: no
+# datatrove filter measures decoding garbage; the C4 bad-words list is read from a local file instead of downloaded).
 FILTER_CLASSES = {  # in the order the shipped presets run them
-    "unknown_characters": "data_prep.cleaning.steps:UnknownCharacterFilter",
+    "unknown_characters": "data_prep.quality.cleaning.steps:UnknownCharacterFilter",
     "gopher_repetition": "datatrove.pipeline.filters:GopherRepetitionFilter",
     "gopher_quality": "datatrove.pipeline.filters:GopherQualityFilter",
     "c4_quality": "datatrove.pipeline.filters:C4QualityFilter",
     "fineweb_quality": "datatrove.pipeline.filters:FineWebQualityFilter",
-    "c4_badwords": "data_prep.cleaning.steps:LocalBadWordsFilter",
+    "c4_badwords": "data_prep.quality.cleaning.steps:LocalBadWordsFilter",
 }
-# What a run builds in their place: the same filter, counted faster to the same decisions (data_prep.cleaning.
+# What a run builds in their place: the same filter, counted faster to the same decisions (data_prep.quality.cleaning.
 # repetition; tests/test_clean_speed.py holds it to the class above). Its arguments are the class's above.
-FAST_FILTER_CLASSES = {"gopher_repetition": "data_prep.cleaning.repetition:RepetitionFilter"}
+FAST_FILTER_CLASSES = {"gopher_repetition": "data_prep.quality.cleaning.repetition:RepetitionFilter"}
 NOT_SETTABLE = {"self", "exclusion_writer", "language", "batch_size"}  # set by the stage itself
 
 
@@ -116,7 +116,9 @@ ARGUMENT_RULES = {
 ORDERED_PAIRS = {"gopher_quality": [("min_doc_words", "max_doc_words"), ("min_avg_word_length", "max_avg_word_length")]}
 DEDUP_RULES = {"enabled": FLAG, "n_grams": Rule("whole", low=1), "num_buckets": Rule("whole", low=1),
                "hashes_per_bucket": Rule("whole", low=1), "seed": Rule("whole")}  # fmt: skip
-A_WHOLE_SET = "a --config is a whole set of filters, not changes to a preset: start from one under data_prep/cleaning/"
+A_WHOLE_SET = (
+    "a --config is a whole set of filters, not changes to a preset: start from one under data_prep/quality/cleaning/"
+)
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ class FilterChoice:
 
     def build(self, language: str | WordTokenizer, exclusion_writer=None, fast: bool = False):
         """The filter step. `language`: the config's ISO 639-3 code, or the word tokenizer the filters share
-        (data_prep.cleaning.words); `fast`: the faster class where there is one (FAST_FILTER_CLASSES)."""
+        (data_prep.quality.cleaning.words); `fast`: the faster class where there is one (FAST_FILTER_CLASSES)."""
         cls = filter_class(self.name, fast)
         extra = {"language": language} if "language" in inspect.signature(cls.__init__).parameters else {}
         return cls(**self.arguments, **extra, exclusion_writer=exclusion_writer)

@@ -7,7 +7,7 @@ which is what makes a rerun continue where a killed one stopped.
     <out>/.clean/minhash/{signatures,buckets}/  MinHash intermediates (removed after the report)
     <out>/.clean/minhash/clusters/              which documents to drop, and cluster sizes
     <out>/.clean/staging/<rank>.jsonl.zst       the output before it is published
-    <out>/.clean/audit/<step>/<rank>.json       per-task counts and examples (data_prep.cleaning.steps)
+    <out>/.clean/audit/<step>/<rank>.json       per-task counts and examples (data_prep.quality.cleaning.steps)
     <out>/data/<rank>.jsonl.zst                 the output: appears at once, complete
 """
 
@@ -26,18 +26,18 @@ from datatrove.pipeline.dedup.minhash import (
     MinhashDedupSignature,
 )
 
-from data_prep.cleaning.config import CleanConfig
-from data_prep.cleaning.report import NEAR_DUPLICATES, write_clean_report
-from data_prep.cleaning.signatures import SignatureStep
-from data_prep.cleaning.steps import Audited, CorpusReader, ShardReader, shard_writer
-from data_prep.cleaning.words import MemoTokenizer
+from data_prep.quality.cleaning.config import CleanConfig
+from data_prep.quality.cleaning.report import NEAR_DUPLICATES, write_clean_report
+from data_prep.quality.cleaning.signatures import SignatureStep
+from data_prep.quality.cleaning.steps import Audited, CorpusReader, ShardReader, shard_writer
+from data_prep.quality.cleaning.words import MemoTokenizer
 
 WORK_DIR = ".clean"
 DATA_DIR = "data"
 # "1": the filters and MinHash exactly as datatrove ships them, each splitting words with datatrove's tokenizer.
 # Only for measuring the difference (python -m benchmarks.clean_quality --compare-speed): a run otherwise shares
-# one splitter (data_prep.cleaning.words), counts Gopher's n-grams faster (repetition) and simplifies MinHash's text
-# faster (signatures), to the same decisions.
+# one splitter (data_prep.quality.cleaning.words), counts Gopher's n-grams faster (repetition) and simplifies MinHash's
+# text faster (signatures), to the same decisions.
 STOCK_ENV = "DATA_PREP_CLEAN_STOCK"
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from data_prep.format import MANIFEST, tokenizer_identity
+from data_prep.packing.format import MANIFEST, tokenizer_identity
 
 
 def read_data_manifest(directory: Path) -> dict:
@@ -136,30 +136,3 @@ class GlobalBatchSampler(Sampler[list[int]]):
         for index in range(start, self.steps_per_epoch * self.accumulation):
             step, micro_index = divmod(index, self.accumulation)
             yield list(micro_batch_rows(step, micro_index, self.rank, self.micro, self.accumulation, self.world))
-
-
-class MixedRows(Dataset):
-    """Global sample i of a weighted mixture of preprocessed directories (see `data_prep.mixture`). A source that
-    runs out wraps into its next epoch when `repeat`; otherwise the mixture ends before the first sample that
-    would need a row a source does not have."""
-
-    def __init__(self, sources: list[PackedRows], weights: list[float], repeat: bool, samples_wanted: int):
-        from data_prep.mixture import Blend
-
-        self.sources, self.repeat = sources, repeat
-        self.blend = Blend(weights)
-        self.rows = [len(source) for source in sources]
-        self._length = samples_wanted if repeat else self.blend.samples_until_exhausted(self.rows)
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, index: int) -> dict:
-        if not 0 <= index < self._length:
-            raise IndexError(f"sample {index} of {self._length}")
-        source, within = self.blend.locate(index)
-        return self.sources[source][within % self.rows[source]]
-
-    def drawn(self, samples: int) -> list[int]:
-        """Rows drawn from each source among the first `samples` samples (epochs included)."""
-        return [int(count) for count in self.blend.counts(samples)]

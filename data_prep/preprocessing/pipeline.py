@@ -18,20 +18,14 @@ import numpy as np
 from common.exit_codes import DISK_FULL, RETRY, disk_full, disk_full_line
 from common.files import atomic_write_text, directory_problem, fingerprint, fingerprint_change
 from common.lock import DirectoryLock, LockedError
-from data_prep.filters import (
-    FilterSpec,
-    SeenHashes,
-    Sieve,
-    document_hash,
-)
-from data_prep.format import (
+from data_prep.packing.format import (
     FORMAT_VERSION,
     MANIFEST,
     token_dtype,
     tokenizer_identity,
 )
-from data_prep.packing import MAX_DOCUMENT_CHARS, split_text
-from data_prep.progress import (
+from data_prep.packing.rows import MAX_DOCUMENT_CHARS, split_text
+from data_prep.preprocessing.progress import (
     CORRUPT_FILE,
     PROGRESS_DIR,
     READ_REASONS,
@@ -41,17 +35,18 @@ from data_prep.progress import (
     remove_unrecorded_shards,
     save_progress,
 )
-from data_prep.readers import (
+from data_prep.preprocessing.report import CorpusStats, summary, write_report
+from data_prep.preprocessing.shards import ShardWriter
+from data_prep.preprocessing.workers import Tokenized, init_worker, peak_rss_mb, tokenize_chunk
+from data_prep.quality.dedup import SeenHashes
+from data_prep.quality.filters import FilterSpec, Sieve
+from data_prep.quality.normalization import document_hash
+from data_prep.reading.readers import (
     CorruptFileError,
-    check_parquet_column,
-    file_format,
+    check_inputs,
     iter_records,
-    resolve_sources,
 )
-from data_prep.report import CorpusStats, summary, write_report
-from data_prep.shards import ShardWriter
-from data_prep.tokenizer_dir import TokenizerLoadError, load_tokenizer
-from data_prep.workers import Tokenized, init_worker, peak_rss_mb, tokenize_chunk
+from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer
 
 DOCS_PER_CHUNK = 512  # one unit of work for a tokenizer process: this many documents ...
 
@@ -72,27 +67,6 @@ class WorkerDied(PreprocessError):
 
 
 CONTINUES = "it continues after the last complete shard"
-
-
-def check_inputs(patterns: list[str], text_field: str) -> list[str]:
-    """Every input exists, is readable and has a known format (parquet: the column), before any work."""
-    try:
-        sources = resolve_sources(patterns, "--input", allow_hub=False)
-    except (FileNotFoundError, ValueError) as error:
-        raise PreprocessError(str(error)) from None
-    for source in sources:
-        if file_format(source) == "parquet":
-            import pyarrow.parquet as pq
-
-            try:
-                names = pq.ParquetFile(source).schema_arrow.names
-            except Exception as error:  # pyarrow raises several types for a damaged file
-                raise PreprocessError(f"--input: {source} is not a readable parquet file ({error})") from None
-            try:
-                check_parquet_column(source, names, text_field)
-            except ValueError as error:
-                raise PreprocessError(f"--input: {error} (--text-field)") from None
-    return sources
 
 
 class Chunk(NamedTuple):
@@ -196,7 +170,10 @@ def preprocess(
     problem = directory_problem(output)
     if problem:  # before the tokenizer is loaded: it was a traceback (exit 1) from the lock's mkdir
         raise PreprocessError(f"--output {output} {problem}")
-    every_source = check_inputs(inputs, text_field)
+    try:
+        every_source = check_inputs(inputs, text_field)
+    except ValueError as error:
+        raise PreprocessError(str(error)) from None
     split_bytes = [os.path.getsize(source) for source in every_source]  # what the part split sees, recorded
     sources = select_part(every_source, num_parts, part, split_bytes)
     if num_parts > 1:

@@ -28,9 +28,9 @@ from datatrove.utils.word_tokenizers import load_word_tokenizer
 
 from common.exit_codes import BAD_INPUT, DISK_FULL, FULL, RETRY, os_error_in
 from common.files import atomic_write_text, fingerprint, fingerprint_change
-from data_prep.cleaning.report import REPORT_JSON
-from data_prep.cleaning.stages import CleanJob, stages
-from data_prep.cleaning.words import MemoTokenizer
+from data_prep.quality.cleaning.report import REPORT_JSON
+from data_prep.quality.cleaning.stages import CleanJob, stages
+from data_prep.quality.cleaning.words import MemoTokenizer
 
 SETTINGS = "settings.json"
 SLURM_JOBS = "slurm_jobs.json"

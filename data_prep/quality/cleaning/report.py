@@ -174,7 +174,7 @@ def _fix(preset: str | None, step: str, reason: str) -> str:
     if preset == "web":
         return f"for books, documentation or prose with code use --preset curated; or loosen {loosen} in a --config"
     if preset == "curated":
-        return f"loosen {loosen} in a copy of data_prep/cleaning/curated.yaml passed as --config"
+        return f"loosen {loosen} in a copy of data_prep/quality/cleaning/curated.yaml passed as --config"
     return f"loosen {loosen} in your --config, or try --preset curated for books and documentation"
 
 

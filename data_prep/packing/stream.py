@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from data_prep.packing import MAX_DOCUMENT_CHARS, pack_documents, split_text
-from data_prep.readers import iter_source_texts
+from data_prep.packing.rows import MAX_DOCUMENT_CHARS, pack_documents, split_text
+from data_prep.reading.readers import iter_source_texts
 
 TOKENIZE_BATCH_DOCS = 256
 
