@@ -1,6 +1,7 @@
 """Tokens per second of each way to turn a corpus into packed rows, on the same texts.
 
     python -m benchmarks.data_throughput --input corpus.jsonl --tokenizer DIR [--workers 2] [--memory-check]
+        [--repeats 31] [--compare-commit COMMIT]
 
 (a) the raw fast tokenizer called in batches on texts already in memory (both the transformers call and the
     `tokenizers` backend's `encode_batch_fast`; the faster counts as the raw ceiling);
@@ -12,7 +13,9 @@
 (e) (c) with N workers and the filters on: 13-gram decontamination against an index the size of MMLU's and GSM8K's
     test sets (14,042 + 1,319 items of 50 words drawn from the corpus's vocabulary in random order, so that nothing
     matches and every document is examined in full) and exact dedup.
-Every rate is the corpus's token count (without EOS) over the wall time of that method.
+Every rate is the corpus's token count (without EOS) over the wall time of that method, except the one-thread runs
+of (a) and (b), which are timed in CPU seconds over `--repeats` rounds (`--compare-commit C` adds C's stream to each
+round: a before/after in one run).
 
 `--memory-check` also preprocesses a ~10 MB and a ~200 MB corpus (the input's lines repeated) and samples the
 resident memory of the whole process tree (main + workers) every 20 ms: flat memory means equal peaks.
@@ -25,11 +28,13 @@ import argparse
 import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 from statistics import median
 
@@ -37,13 +42,13 @@ REPO = Path(__file__).resolve().parent.parent
 BATCH_DOCS = 1000
 
 
-def timed(function):
-    started = time.perf_counter()
+def timed(function, clock=time.perf_counter):
+    started = clock()
     result = function()
-    return result, time.perf_counter() - started
+    return result, clock() - started
 
 
-def raw_tokenizer(texts, tokenizer) -> dict:
+def raw_tokenizer(texts, tokenizer, clock=time.perf_counter) -> dict:
     def transformers_call():
         return sum(
             len(ids)
@@ -59,22 +64,24 @@ def raw_tokenizer(texts, tokenizer) -> dict:
             for encoding in backend.encode_batch_fast(texts[start : start + BATCH_DOCS], add_special_tokens=False)
         )
 
-    tokens, transformers_s = timed(transformers_call)
-    backend_tokens, backend_s = timed(backend_call)
+    tokens, transformers_s = timed(transformers_call, clock)
+    backend_tokens, backend_s = timed(backend_call, clock)
     assert tokens == backend_tokens, "the two calls must tokenize identically"
     return {"tokens": tokens, "transformers_s": transformers_s, "backend_s": backend_s}
 
 
-def streaming_pipeline(path: str, tokenizer, seq_len: int, workers: int = 0) -> tuple[int, float]:
+def streaming_pipeline(
+    path: str, tokenizer, seq_len: int, workers: int = 0, clock=time.perf_counter, stream=None
+) -> tuple[int, float]:
     """(rows, seconds) of `PackedTextStream` read to its end as training reads it: in this process (`workers` 0), or
     through a DataLoader with `workers` worker processes, each tokenizing its share on one thread."""
     from torch.utils.data import DataLoader
 
     from data_prep.packing.stream import PackedTextStream
 
-    stream = PackedTextStream([path], tokenizer, seq_len)
+    stream = (stream or PackedTextStream)([path], tokenizer, seq_len)
     if not workers:
-        return timed(lambda: sum(1 for _ in stream))
+        return timed(lambda: sum(1 for _ in stream), clock)
     loader = DataLoader(stream, batch_size=None, num_workers=workers)
     return timed(lambda: sum(1 for _ in loader))
 
@@ -225,7 +232,7 @@ def print_table(rate: dict, memory: dict, workers: int) -> None:
     for key, label in labels.items():
         print(f"{label:<44}{rate[key]:>12,.0f}{rate[key] / rate['raw_tokenizer_tokens_per_s']:>8.2f}")
     equal = rate["pipeline_tokens_per_s"] / rate["raw_tokenizer_1_thread_tokens_per_s"]
-    print(f"at equal CPU, one thread each: the stream at {equal:.3f}x the raw tokenizer")
+    print(f"at equal CPU, one thread each (medians of CPU seconds): the stream at {equal:.3f}x the raw tokenizer")
     if memory:
         print(
             f"preprocess peak memory (main + workers): {memory['preprocess_peak_rss_mb_10mb']:.0f} MB at 10 MB, "
@@ -243,22 +250,67 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="N for the N-worker preprocess")
     parser.add_argument("--memory-check", action="store_true", help="also compare peak memory at 10 MB and 200 MB")
-    parser.add_argument("--repeats", type=int, default=1, help="alternating one-thread runs of (a) and (b); medians")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of one-thread runs of (a) and (b); medians")
+    parser.add_argument("--compare-commit", help="also run that commit's stream in every round (before/after)")
     return parser.parse_args(argv)
 
 
-def equal_cpu(args, texts: list[str], tokenizer) -> tuple[float, float, float]:
-    """Seconds of the raw call and of the stream on one thread each (alternating, medians of `args.repeats`: a shared
-    machine's noise is ~20 %), and of the stream through N dataloader workers, each on one thread, as training reads
-    raw text on N cores."""
+def stream_at(commit: str):
+    """`PackedTextStream` as an earlier commit wrote it (from this repository's history, commits since data_prep/ was
+    regrouped), for a before/after inside one run."""
+    path = "data_prep/packing/stream.py"
+    shown = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:{path}"], capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--compare-commit {commit}: no {path} there ({shown.stderr.strip()})")
+    module = types.ModuleType(f"stream_at_{commit}")
+    exec(compile(shown.stdout, f"{commit}:{path}", "exec"), module.__dict__)
+    return module.PackedTextStream
+
+
+def equal_cpu(args, texts: list[str], tokenizer) -> dict:
+    """The raw call (`encode_batch_fast`) and the stream on one thread each, in CPU seconds of this process (the
+    cores a cluster bills; less moved by other tenants than wall time), `args.repeats` rounds in a shuffled order
+    each: their medians, and the median of each round's own ratio (a round's runs share the machine's state of the
+    moment, so the pairing cancels slow drifts, ~5-10 % here). With `--compare-commit`, that commit's stream runs
+    in every round too. Then the stream through N dataloader workers, each on one thread, as training reads raw text
+    on N cores (wall seconds: the work is in other processes)."""
+    from data_prep.packing.stream import PackedTextStream
+
+    streams = {"stream": PackedTextStream}
+    if args.compare_commit:
+        streams["baseline"] = stream_at(args.compare_commit)
+    seconds: dict[str, list[float]] = {"raw": [], **{name: [] for name in streams}}
     with one_thread():
-        raw_ones, pipelines = [], []
-        for _ in range(args.repeats):
-            raw_ones.append(raw_tokenizer(texts, tokenizer))
-            pipelines.append(streaming_pipeline(args.input, tokenizer, args.seq_len)[1])
+        for round_ in range(args.repeats):
+            order = list(seconds)
+            random.Random(round_).shuffle(order)
+            for name in order:
+                if name == "raw":
+                    seconds[name].append(raw_tokenizer(texts, tokenizer, time.process_time)["backend_s"])
+                    continue
+                stream = streams[name]
+                run = streaming_pipeline(args.input, tokenizer, args.seq_len, clock=time.process_time, stream=stream)
+                seconds[name].append(run[1])
         _, workers_s = streaming_pipeline(args.input, tokenizer, args.seq_len, args.workers)
-    raw_one = min(median([run[key] for run in raw_ones]) for key in ("transformers_s", "backend_s"))
-    return raw_one, median(pipelines), workers_s
+    paired = {name: median([raw / own for raw, own in zip(seconds["raw"], seconds[name], strict=True)])
+              for name in streams}  # fmt: skip
+    return {"raw_one_s": median(seconds["raw"]), "pipeline_s": median(seconds["stream"]), "workers_s": workers_s,
+            "paired": paired["stream"], "baseline_paired": paired.get("baseline"),
+            "baseline_s": median(seconds["baseline"]) if "baseline" in seconds else None}  # fmt: skip
+
+
+def equal_cpu_report(args, equal: dict) -> dict:
+    """The rounds' own ratios (printed, and the JSON's keys), with the compared commit's where there is one."""
+    print(f"at equal CPU, one thread each, the median of {args.repeats} rounds' own ratios: {equal['paired']:.3f}x")
+    if args.compare_commit:
+        print(f"  {args.compare_commit}'s stream in the same rounds: {equal['baseline_paired']:.3f}x")
+    return {
+        "one_thread_repeats": args.repeats,
+        "pipeline_vs_raw_1_thread_paired": equal["paired"],
+        "compare_commit": args.compare_commit,
+        "baseline_vs_raw_1_thread_paired": equal["baseline_paired"],
+        "baseline_vs_raw_1_thread": equal["baseline_s"] and equal["raw_one_s"] / equal["baseline_s"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = raw_tokenizer(texts, tokenizer)  # every core (the Rust thread pool)
     tokens = raw["tokens"]
     raw_s = min(raw["transformers_s"], raw["backend_s"])
-    raw_one_s, pipeline_s, pipeline_workers_s = equal_cpu(args, texts, tokenizer)
+    equal = equal_cpu(args, texts, tokenizer)
+    raw_one_s, pipeline_s, pipeline_workers_s = equal["raw_one_s"], equal["pipeline_s"], equal["workers_s"]
     with tempfile.TemporaryDirectory() as scratch:
         _, run_clm_s = run_clm_approach(args.input, tokenizer, args.seq_len, f"{scratch}/hf-cache")
         one, one_s = offline_preprocess(args.input, args.tokenizer, args.seq_len, 1, f"{scratch}/pre-1")
@@ -281,10 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         filters = benchmark_sized_filters(texts)
         filtered, filtered_s = offline_preprocess(args.input, args.tokenizer, args.seq_len, args.workers,
                                                   f"{scratch}/pre-f", filters)  # fmt: skip
-        check = args.memory_check
-        memory = (
-            memory_check(Path(args.input), args.tokenizer, args.seq_len, args.workers, Path(scratch)) if check else {}
-        )
+        check = (Path(args.input), args.tokenizer, args.seq_len, args.workers, Path(scratch))
+        memory = memory_check(*check) if args.memory_check else {}
     assert one["num_document_tokens"] == tokens, "preprocess and the raw tokenizer must see the same tokens"
 
     rate = {
@@ -300,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         # the same denominator as (c): the corpus's tokens, though duplicates are dropped from the output
         "preprocess_filtered_tokens_per_s": tokens / filtered_s,
     }
+    print_table(rate, memory, args.workers)
     result = {
         **rate,
         "preprocess_workers": args.workers,
@@ -307,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         # equal CPU: the stream and the raw tokenizer each on one thread; N workers against the raw call on N cores
         "pipeline_vs_raw_1_thread": rate["pipeline_tokens_per_s"] / rate["raw_tokenizer_1_thread_tokens_per_s"],
         "pipeline_workers_vs_raw": rate["pipeline_workers_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],
-        "one_thread_repeats": args.repeats,
+        **equal_cpu_report(args, equal),
         "preprocess_n_vs_1_worker": rate["preprocess_tokens_per_s"] / rate["preprocess_1_worker_tokens_per_s"],
         "run_clm_vs_raw": rate["run_clm_tokens_per_s"] / rate["raw_tokenizer_tokens_per_s"],
         "filtered_vs_plain_preprocess": rate["preprocess_filtered_tokens_per_s"] / rate["preprocess_tokens_per_s"],
@@ -318,7 +370,6 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         **memory,
     }
-    print_table(rate, memory, args.workers)
     print(json.dumps(result))
     return 0
 

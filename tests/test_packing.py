@@ -4,9 +4,10 @@ import itertools
 import json
 import random
 
+import numpy as np
 import pytest
 
-from data_prep.packing.rows import dropped_tail_tokens, pack_documents
+from data_prep.packing.rows import dropped_tail_tokens, pack_arrays, pack_documents
 from data_prep.packing.stream import PackedTextStream, shard_documents
 
 EOS = 0
@@ -29,6 +30,16 @@ def test_rows_are_exact_and_nothing_is_lost_or_duplicated(seed):
     assert len(stream) - len(packed) == dropped_tail_tokens(len(stream), seq_len) < seq_len
 
 
+@pytest.mark.parametrize("seed", range(200))
+def test_the_streams_array_packer_gives_the_same_rows(seed):
+    rng = random.Random(seed)
+    documents = random_documents(rng)
+    seq_len = rng.randint(1, 24)
+    rows = list(pack_arrays((np.array(doc, dtype=np.int64) for doc in documents), seq_len, EOS))
+    assert [row.tolist() for row in rows] == list(pack_documents(documents, seq_len, EOS))
+    assert all(row.dtype == np.int64 and row.base is None for row in rows), "int64, each row its own memory"
+
+
 def test_every_document_is_followed_by_eos():
     rows = list(pack_documents([[5, 6], [7], [8, 9, 10]], seq_len=3, eos_id=EOS))
     assert rows == [[5, 6, EOS], [7, EOS, 8], [9, 10, EOS]]
@@ -37,6 +48,8 @@ def test_every_document_is_followed_by_eos():
 def test_bad_seq_len_is_refused():
     with pytest.raises(ValueError, match="seq_len"):
         list(pack_documents([[1]], 0, EOS))
+    with pytest.raises(ValueError, match="seq_len"):
+        list(pack_arrays([np.array([1])], 0, EOS))
 
 
 @pytest.mark.parametrize(("world_size", "num_workers"), [(1, 1), (2, 1), (2, 3), (8, 2)])

@@ -8,6 +8,8 @@ it would need padding, which would make the loss and the token counts lie.
 
 from collections.abc import Iterable, Iterator
 
+import numpy as np
+
 # Longer documents are tokenized in pieces: a fast tokenizer needs ~145 bytes per character of one call's text
 # (a 50 MB document took 7.1 GB whole), so a piece of 1M characters costs ~145 MB.
 MAX_DOCUMENT_CHARS = 1_000_000
@@ -26,6 +28,25 @@ def pack_documents(documents: Iterable[list[int]], seq_len: int, eos_id: int) ->
             for start in range(0, full, seq_len):
                 yield buffer[start : start + seq_len]
             del buffer[:full]
+
+
+def pack_arrays(documents: Iterable[np.ndarray], seq_len: int, eos_id: int) -> Iterator[np.ndarray]:
+    """`pack_documents` over int64 arrays of ids: the same rows, each an int64 array of its own. The stream's packer:
+    documents are joined once per row boundary they reach, not token by token through a Python list."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    eos = np.array([eos_id], dtype=np.int64)
+    pending: list[np.ndarray] = []
+    pending_tokens = 0
+    for ids in documents:
+        pending += (ids, eos)
+        pending_tokens += len(ids) + 1
+        if pending_tokens >= seq_len:
+            joined = np.concatenate(pending)
+            full = pending_tokens - pending_tokens % seq_len
+            for start in range(0, full, seq_len):
+                yield joined[start : start + seq_len].copy()  # its own memory: a worker sends one row, not the block
+            pending, pending_tokens = [joined[full:]], pending_tokens - full
 
 
 def split_text(text: str, max_chars: int) -> list[str]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from data_prep.packing.rows import MAX_DOCUMENT_CHARS, pack_documents, split_text
+from data_prep.packing.rows import MAX_DOCUMENT_CHARS, pack_arrays, split_text
 from data_prep.reading.readers import iter_source_texts
 
 TOKENIZE_BATCH_DOCS = 256
@@ -36,16 +36,18 @@ def shard_documents(sources: list[str], text_field: str, shard: int, num_shards:
         yield from iter_source_texts(source, text_field, (shard - file_index) % num_shards, num_shards)
 
 
-def encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, no special tokens. The Rust backend's `encode_batch_fast` skips the offsets
+def encode_batch(tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Token ids of each text (int64), no special tokens. The Rust backend's `encode_batch_fast` skips the offsets
     and the Python-side BatchEncoding; its ids are the ones `tokenizer(texts)` gives."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast"):
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return [np.asarray(ids, dtype=np.int64) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    # each document's list of ints is dropped as soon as it is converted: the next reuses its memory, still in cache
+    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+    return [np.fromiter(ids, dtype=np.int64, count=len(ids)) for ids in (encoding.ids for encoding in encodings)]
 
 
-def tokenize_in_batches(texts: Iterator[str], tokenizer, batch_docs: int = TOKENIZE_BATCH_DOCS) -> Iterator[list[int]]:
+def tokenize_in_batches(texts: Iterator[str], tokenizer, batch_docs: int = TOKENIZE_BATCH_DOCS) -> Iterator[np.ndarray]:
     """Token ids per document; batched calls let the fast tokenizer use its Rust threads. A document longer than
     MAX_DOCUMENT_CHARS is tokenized piece by piece (see `split_text`), so memory stays bounded."""
     batch: list[str] = []
@@ -54,7 +56,7 @@ def tokenize_in_batches(texts: Iterator[str], tokenizer, batch_docs: int = TOKEN
             yield from encode_batch(tokenizer, batch) if batch else []
             batch = []
             pieces = split_text(text, MAX_DOCUMENT_CHARS)
-            yield [token for piece in pieces for token in encode_batch(tokenizer, [piece])[0]]
+            yield np.concatenate([encode_batch(tokenizer, [piece])[0] for piece in pieces])
             continue
         batch.append(text)
         if len(batch) == batch_docs:
@@ -83,6 +85,5 @@ class PackedTextStream(IterableDataset):
         shard = self.rank * num_workers + worker
         texts = shard_documents(self.sources, self.text_field, shard, self.world_size * num_workers)
         documents = tokenize_in_batches(texts, self.tokenizer)
-        for row in pack_documents(documents, self.seq_len, self.tokenizer.eos_token_id):
-            # through numpy: 4x faster than torch.tensor on a list of ints (~6 % of the stream's time at 2,048)
-            yield {"input_ids": torch.from_numpy(np.asarray(row, dtype=np.int64))}
+        for row in pack_arrays(documents, self.seq_len, self.tokenizer.eos_token_id):
+            yield {"input_ids": torch.from_numpy(row)}
