@@ -256,8 +256,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def stream_at(commit: str):
-    """`PackedTextStream` as an earlier commit wrote it (from this repository's history, commits since data_prep/ was
-    regrouped), for a before/after inside one run."""
+    """`PackedTextStream` of an earlier commit's data_prep/packing/stream.py (commits since data_prep/ was regrouped),
+    for a before/after inside one run. Only that file is the commit's: what it imports (rows, readers) is today's."""
     path = "data_prep/packing/stream.py"
     shown = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:{path}"], capture_output=True, text=True)
     if shown.returncode != 0:

@@ -303,7 +303,9 @@ def test_the_training_stream_tokenizes_a_long_document_in_pieces_to_the_same_ids
     monkeypatch.setattr(stream, "MAX_DOCUMENT_CHARS", 300)
     original = stream.encode_batch
     monkeypatch.setattr(
-        stream, "encode_batch", lambda tok, batch: calls.append(max(map(len, batch))) or original(tok, batch)
+        stream,
+        "encode_batch",
+        lambda tok, batch, backend: calls.append(max(map(len, batch))) or original(tok, batch, backend),
     )
     assert [ids.tolist() for ids in stream.tokenize_in_batches(iter(texts), tokenizer)] == whole
     assert max(calls) <= 300, "no call saw more than one piece's characters"

@@ -86,3 +86,42 @@ def test_demo_corpus_split_is_disjoint(tmp_path):
     train = {json.loads(line)["text"] for line in (tmp_path / "train.jsonl").read_text().splitlines()}
     validation = {json.loads(line)["text"] for line in (tmp_path / "validation.jsonl").read_text().splitlines()}
     assert train and validation and not train & validation
+
+
+def test_a_tokenizer_json_that_truncates_and_pads_cuts_no_document(tmp_path, corpus):
+    """A tokenizer.json saved with truncation and padding on (as `enable_truncation` and `enable_padding` leave it):
+    transformers turns both off on each call, the Rust backend called directly did not, so the stream and preprocess
+    cut every document at 8 tokens and padded shorter ones, silently. Both now give the ids of `tokenizer(text)`, the
+    caller's tokenizer keeps its settings, and the identity (the preprocessed directory's check) is the plain one's."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from data_prep.packing.format import tokenizer_identity
+    from data_prep.packing.stream import PackedTextStream
+    from data_prep.preprocessing.pipeline import preprocess
+
+    saved = tmp_path / "truncating"
+    shutil.copytree(corpus["tokenizer"], saved)
+    backend = Tokenizer.from_file(str(saved / "tokenizer.json"))
+    backend.enable_truncation(max_length=8)
+    backend.enable_padding(length=16, pad_id=0, pad_token=backend.id_to_token(0))
+    backend.save(str(saved / "tokenizer.json"))
+    plain, truncating = AutoTokenizer.from_pretrained(corpus["tokenizer"]), AutoTokenizer.from_pretrained(saved)
+    assert truncating.backend_tokenizer.truncation is not None, "the fixture truncates"
+
+    texts = list(iter_texts(corpus["validation"]))[:40]
+    source = tmp_path / "texts.jsonl"
+    source.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    wanted = [row["input_ids"].tolist() for row in PackedTextStream([str(source)], plain, 64)]
+    assert [row["input_ids"].tolist() for row in PackedTextStream([str(source)], truncating, 64)] == wanted
+    assert truncating.backend_tokenizer.truncation is not None and truncating.backend_tokenizer.padding is not None
+    assert tokenizer_identity(truncating, "t")["sha256"] == tokenizer_identity(plain, "t")["sha256"]
+
+    manifests = [preprocess(str(directory), [str(source)], str(tmp_path / f"out-{name}"), 64, 1)
+                 for name, directory in (("plain", corpus["tokenizer"]), ("truncating", saved))]  # fmt: skip
+    assert manifests[1]["num_document_tokens"] == manifests[0]["num_document_tokens"] > 8 * len(texts)
+    shards = [
+        pq.read_table(tmp_path / f"out-{name}" / "data").column("input_ids").to_pylist()
+        for name in ("plain", "truncating")
+    ]
+    assert shards[0] == shards[1] and np.asarray(shards[0]).shape[1] == 64

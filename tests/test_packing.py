@@ -38,6 +38,9 @@ def test_the_streams_array_packer_gives_the_same_rows(seed):
     rows = list(pack_arrays((np.array(doc, dtype=np.int64) for doc in documents), seq_len, EOS))
     assert [row.tolist() for row in rows] == list(pack_documents(documents, seq_len, EOS))
     assert all(row.dtype == np.int64 and row.base is None for row in rows), "int64, each row its own memory"
+    unsigned = list(pack_arrays((np.array(doc, dtype=np.uint64) for doc in documents), seq_len, EOS))
+    assert all(row.dtype == np.int64 for row in unsigned), "ids of another integer type: int64 rows still"
+    assert [row.tolist() for row in unsigned] == [row.tolist() for row in rows]
 
 
 def test_every_document_is_followed_by_eos():

@@ -39,7 +39,7 @@ DATA_PREP_LAYERS = {
     "data_prep.benchmark_files": {"data_prep.benchmark_files"},
     "data_prep.tokenizer": {"data_prep.reading", "data_prep.tokenizer"},
     "data_prep.quality": {"data_prep.reading", "data_prep.benchmark_files", "data_prep.quality"},
-    "data_prep.packing": {"data_prep.reading", "data_prep.packing"},
+    "data_prep.packing": {"data_prep.reading", "data_prep.tokenizer", "data_prep.packing"},
     "data_prep.preprocessing": {"data_prep.reading", "data_prep.tokenizer", "data_prep.benchmark_files",
                                 "data_prep.quality", "data_prep.packing", "data_prep.preprocessing"},
     "data_prep.parts": {"data_prep.packing", "data_prep.preprocessing", "data_prep.parts"},

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.tokenizer.loading import plain_backend
+
 FORMAT_VERSION = 1
 SHARD_DIR = "data"
 MANIFEST = "manifest.json"  # written last: its presence means the directory is complete
@@ -28,8 +30,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def tokenizer_identity(tokenizer, name: str) -> dict:
     """Name and a content hash of a fast tokenizer: its full serialization (vocabulary, merges, normalizer,
-    pre-tokenizer, added tokens) plus EOS, so a copy in another directory has the same identity."""
-    serialized = tokenizer.backend_tokenizer.to_str()
+    pre-tokenizer, added tokens; not the truncation and padding settings, which no token id of ours depends on) plus
+    EOS, so a copy in another directory has the same identity."""
+    serialized = plain_backend(tokenizer).to_str()  # a call through transformers turns truncation off in place
     digest = hashlib.sha256(serialized.encode("utf-8"))
     digest.update(f"eos={tokenizer.eos_token_id}".encode())
     return {

@@ -1,9 +1,9 @@
 """Packing: documents' token ids into rows of exactly `seq_len`, EOS after every document.
 
-Pure functions over token lists; readers and writers wrap them. The carry-over buffer means a
-document may span two rows, and no row is ever padded. What is left at the end of the stream
-(fewer than `seq_len` tokens) is dropped: at most `seq_len - 1` tokens per stream, and keeping
-it would need padding, which would make the loss and the token counts lie.
+Pure functions over token lists (and arrays, for the stream); readers and writers wrap them. The carry-over buffer
+means a document may span two rows, and no row is ever padded. What is left at the end of the stream (fewer than
+`seq_len` tokens) is dropped: at most `seq_len - 1` tokens per stream, and keeping it would need padding, which would
+make the loss and the token counts lie.
 """
 
 from collections.abc import Iterable, Iterator
@@ -42,11 +42,11 @@ def pack_arrays(documents: Iterable[np.ndarray], seq_len: int, eos_id: int) -> I
         pending += (ids, eos)
         pending_tokens += len(ids) + 1
         if pending_tokens >= seq_len:
-            joined = np.concatenate(pending)
+            joined = np.concatenate(pending, dtype=np.int64)
             full = pending_tokens - pending_tokens % seq_len
             for start in range(0, full, seq_len):
                 yield joined[start : start + seq_len].copy()  # its own memory: a worker sends one row, not the block
-            pending, pending_tokens = [joined[full:]], pending_tokens - full
+            pending, pending_tokens = [joined[full:].copy()], pending_tokens - full  # not a view holding the block
 
 
 def split_text(text: str, max_chars: int) -> list[str]:
@@ -68,7 +68,7 @@ def split_text(text: str, max_chars: int) -> list[str]:
 
 
 def dropped_tail_tokens(total_tokens_with_eos: int, seq_len: int) -> int:
-    """Tokens left in the final, partial row that `pack_documents` drops."""
+    """Tokens left in the final, partial row that `pack_documents` (and `pack_arrays`) drops."""
     return total_tokens_with_eos % seq_len
 
 

@@ -18,6 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from data_prep.packing.rows import MAX_DOCUMENT_CHARS, pack_arrays, split_text
 from data_prep.reading.readers import iter_source_texts
+from data_prep.tokenizer.loading import plain_backend
 
 TOKENIZE_BATCH_DOCS = 256
 
@@ -36,10 +37,10 @@ def shard_documents(sources: list[str], text_field: str, shard: int, num_shards:
         yield from iter_source_texts(source, text_field, (shard - file_index) % num_shards, num_shards)
 
 
-def encode_batch(tokenizer, texts: list[str]) -> list[np.ndarray]:
-    """Token ids of each text (int64), no special tokens. The Rust backend's `encode_batch_fast` skips the offsets
-    and the Python-side BatchEncoding; its ids are the ones `tokenizer(texts)` gives."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+def encode_batch(tokenizer, texts: list[str], backend=None) -> list[np.ndarray]:
+    """Token ids of each text (int64), no special tokens. The Rust backend's `encode_batch_fast` (`backend`: the
+    tokenizer's, without truncation and padding, see `plain_backend`) skips the offsets and the Python-side
+    BatchEncoding; its ids are the ones `tokenizer(texts)` gives."""
     if backend is None or not hasattr(backend, "encode_batch_fast"):
         return [np.asarray(ids, dtype=np.int64) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     # each document's list of ints is dropped as soon as it is converted: the next reuses its memory, still in cache
@@ -50,20 +51,21 @@ def encode_batch(tokenizer, texts: list[str]) -> list[np.ndarray]:
 def tokenize_in_batches(texts: Iterator[str], tokenizer, batch_docs: int = TOKENIZE_BATCH_DOCS) -> Iterator[np.ndarray]:
     """Token ids per document; batched calls let the fast tokenizer use its Rust threads. A document longer than
     MAX_DOCUMENT_CHARS is tokenized piece by piece (see `split_text`), so memory stays bounded."""
+    backend = plain_backend(tokenizer) if hasattr(tokenizer, "backend_tokenizer") else None
     batch: list[str] = []
     for text in texts:
         if len(text) > MAX_DOCUMENT_CHARS:  # in order: first the documents before it
-            yield from encode_batch(tokenizer, batch) if batch else []
+            yield from encode_batch(tokenizer, batch, backend) if batch else []
             batch = []
             pieces = split_text(text, MAX_DOCUMENT_CHARS)
-            yield np.concatenate([encode_batch(tokenizer, [piece])[0] for piece in pieces])
+            yield np.concatenate([encode_batch(tokenizer, [piece], backend)[0] for piece in pieces])
             continue
         batch.append(text)
         if len(batch) == batch_docs:
-            yield from encode_batch(tokenizer, batch)
+            yield from encode_batch(tokenizer, batch, backend)
             batch = []
     if batch:
-        yield from encode_batch(tokenizer, batch)
+        yield from encode_batch(tokenizer, batch, backend)
 
 
 class PackedTextStream(IterableDataset):

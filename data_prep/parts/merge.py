@@ -264,3 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens in {len(manifest['shards'])} "
           f"shard(s) from {len(args.parts)} part(s) -> {args.output}")  # fmt: skip
     return DONE
+
+
+if __name__ == "__main__":  # the same command by its module path
+    sys.exit(main())

@@ -116,3 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(manifest))
     print(f"data report: {Path(args.output) / REPORT_MD}")
     return DONE
+
+
+if __name__ == "__main__":  # the same command by its module path
+    sys.exit(main())

@@ -43,10 +43,11 @@ from data_prep.quality.filters import FilterSpec, Sieve
 from data_prep.quality.normalization import document_hash
 from data_prep.reading.readers import (
     CorruptFileError,
+    InputError,
     check_inputs,
     iter_records,
 )
-from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer
+from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer, plain_backend
 
 DOCS_PER_CHUNK = 512  # one unit of work for a tokenizer process: this many documents ...
 
@@ -172,7 +173,7 @@ def preprocess(
         raise PreprocessError(f"--output {output} {problem}")
     try:
         every_source = check_inputs(inputs, text_field)
-    except ValueError as error:
+    except InputError as error:
         raise PreprocessError(str(error)) from None
     split_bytes = [os.path.getsize(source) for source in every_source]  # what the part split sees, recorded
     sources = select_part(every_source, num_parts, part, split_bytes)
@@ -272,7 +273,7 @@ def _run(out: Path, sources: list[str], settings: dict, tokenizer, strict: bool,
     sieve = Sieve(filters.dedup, SeenHashes(resumed.seen), progress.open_document, resumed.open_tokens,
                   holds=filters.active)  # fmt: skip
     packer = Packer(out, settings, progress, resumed.carry, token_dtype(identity["vocab_size"]), sieve, sources, log)
-    serialized = tokenizer.backend_tokenizer.to_str()
+    serialized = plain_backend(tokenizer).to_str()
     chunks = iter_chunks(
         sources,
         settings["text_field"],

@@ -74,3 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         f"wrote {written['train'] / 1e6:.1f} MB train, {written['validation'] / 1e6:.1f} MB validation "
         f"of Python source to {args.output}"
     )
+
+
+if __name__ == "__main__":  # the same command by its module path
+    main()

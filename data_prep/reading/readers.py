@@ -34,6 +34,10 @@ SKIP_REASONS = ("malformed_json", "invalid_utf8", "missing_field", "empty_text")
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
+class InputError(ValueError):
+    """An input named on the command line is missing, unreadable or of an unknown format (`check_inputs`)."""
+
+
 class CorruptFileError(ValueError):
     """A truncated or corrupt archive or parquet file; the message names the file and where it broke."""
 
@@ -283,12 +287,12 @@ def resolve_sources(patterns: list[str], key: str, allow_hub: bool = True) -> li
 
 
 def check_inputs(patterns: list[str], text_field: str) -> list[str]:
-    """Every input exists, is readable and has a known format (parquet: the column), before any work (else a ValueError
+    """Every input exists, is readable and has a known format (parquet: the column), before any work (else an InputError
     that names the file); preprocessing and cleaning both start here."""
     try:
         sources = resolve_sources(patterns, "--input", allow_hub=False)
-    except FileNotFoundError as error:
-        raise ValueError(str(error)) from None
+    except (FileNotFoundError, ValueError) as error:
+        raise InputError(str(error)) from None
     for source in sources:
         if file_format(source) == "parquet":
             import pyarrow.parquet as pq
@@ -296,9 +300,9 @@ def check_inputs(patterns: list[str], text_field: str) -> list[str]:
             try:
                 names = pq.ParquetFile(source).schema_arrow.names
             except Exception as error:  # pyarrow raises several types for a damaged file
-                raise ValueError(f"--input: {source} is not a readable parquet file ({error})") from None
+                raise InputError(f"--input: {source} is not a readable parquet file ({error})") from None
             try:
                 check_parquet_column(source, names, text_field)
             except ValueError as error:
-                raise ValueError(f"--input: {error} (--text-field)") from None
+                raise InputError(f"--input: {error} (--text-field)") from None
     return sources

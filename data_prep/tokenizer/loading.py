@@ -38,6 +38,22 @@ def load_tokenizer(name_or_path: str, what: str):
         raise TokenizerLoadError(f"{what} {name_or_path}: cannot load it ({first_line})") from None
 
 
+def plain_backend(tokenizer):
+    """The Rust tokenizer under a fast tokenizer, without the truncation and padding its tokenizer.json may carry.
+    transformers turns both off on every call it makes without them; the backend called directly does not, and cut
+    every document at the saved length (and padded short ones) without a word. A copy where either is set: the
+    caller's tokenizer stays as it was."""
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is None and backend.padding is None:
+        return backend
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_str(backend.to_str())
+    plain.no_truncation()
+    plain.no_padding()
+    return plain
+
+
 def tokenizer_pin(directory: str | Path) -> Path:
     """The file beside a tokenizer directory that a training run holds a shared flock on while it runs (see
     `pin_tokenizer`): `train_tokenizer --overwrite` refuses a directory whose pin is held. Beside it, not in it: the

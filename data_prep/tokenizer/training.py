@@ -130,3 +130,7 @@ def publish(tokenizer: PreTrainedTokenizerFast, output: Path) -> None:
         output.rename(retired)
     staging.rename(output)
     shutil.rmtree(retired, ignore_errors=True)
+
+
+if __name__ == "__main__":  # the same command by its module path
+    raise SystemExit(main())

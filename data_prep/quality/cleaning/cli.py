@@ -74,7 +74,7 @@ def build_job(args: argparse.Namespace):
     from data_prep.quality.cleaning.config import CleanConfigError, load_clean_config
     from data_prep.quality.cleaning.runner import CleanError
     from data_prep.quality.cleaning.stages import CleanJob
-    from data_prep.reading.readers import check_inputs
+    from data_prep.reading.readers import InputError, check_inputs
 
     if args.workers < 1 or (args.tasks is not None and args.tasks < 1):
         raise CleanError("--workers and --tasks must be positive")
@@ -88,7 +88,7 @@ def build_job(args: argparse.Namespace):
         config = load_clean_config(args.config or PRESETS[preset])
         check_not_inside_output(args.input, Path(args.output).resolve())
         files = check_inputs(args.input, args.text_field)
-    except (CleanConfigError, ValueError) as error:
+    except (CleanConfigError, InputError) as error:
         raise CleanError(str(error)) from None
     tasks = args.tasks or len(files)
     return CleanJob(str(Path(args.output).resolve()), tuple(files), config, tasks, args.text_field, args.strict,
@@ -253,3 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code
+
+
+if __name__ == "__main__":  # the same command by its module path
+    sys.exit(main())
