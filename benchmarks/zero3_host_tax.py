@@ -13,7 +13,9 @@ alike:
 2. the recipe's own loop (the Trainer and its callbacks) on 2 ranks, wall seconds per step, per module against
    leaves: the speed-up a run sees.
 Every process is held to one thread (OMP_NUM_THREADS=1), as each rank of a CPU run is, and trains in bf16 where the
-CPU computes it natively (as the tests do). Prints a table, then one JSON
+CPU computes it natively (as the tests do). The shipped DeepSpeed JSONs are used with one change: the persistence
+threshold scaled to the thin model (`persistence_threshold`), so that ZeRO-3 partitions and gathers its projections
+as it does a 70B's. Prints a table, then one JSON
 line. docs/training.md holds the figures; `tests/test_benchmark_scripts.py` runs it briefly.
 """
 
@@ -97,6 +99,30 @@ def plain(args) -> dict:
         return json.loads(output.read_text())
 
 
+def persistence_threshold(args) -> int:
+    """DeepSpeed leaves parameters smaller than `stage3_param_persistence_threshold` whole on every rank, gathered
+    after each step instead of before each use. The shipped JSONs' 1e5 keeps a 70B's norms (8,192) resident and
+    partitions every projection (8.4M and up); in the thin model every weight is under 1e5, so nothing would be
+    gathered per layer at all. 10 x hidden (accelerate's own "auto" value, the default here) draws the line where 70B
+    has it: norms resident, projections (hidden x 32 and up) partitioned. `--persistence-threshold 100000` measures
+    the shipped value instead."""
+    return args.persistence_threshold if args.persistence_threshold is not None else 10 * args.hidden
+
+
+def with_threshold(accelerate_config: Path, threshold: int, scratch: Path) -> Path:
+    """A copy of an accelerate config and its DeepSpeed JSON with the persistence threshold set."""
+    import yaml
+
+    launch = yaml.safe_load(accelerate_config.read_text())
+    ds_json = REPO / launch["deepspeed_config"]["deepspeed_config_file"]
+    ds = json.loads(ds_json.read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+    (scratch / ds_json.name).write_text(json.dumps(ds, indent=2))
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(scratch / ds_json.name)
+    (scratch / accelerate_config.name).write_text(yaml.safe_dump(launch))
+    return scratch / accelerate_config.name
+
+
 def engine(args, accelerate_config: Path, leaves: str, loop: str) -> dict:
     """One launch of `benchmarks.step_overhead` on the engine with the given leaves; its summary."""
     from benchmarks import step_overhead
@@ -108,7 +134,7 @@ def engine(args, accelerate_config: Path, leaves: str, loop: str) -> dict:
     ], env=one_thread_env())  # fmt: skip
 
 
-def measure(args) -> dict:
+def measure(args, one_process: Path, two_ranks: Path) -> dict:
     cpu: dict[str, list[float]] = {"plain": [], "zero3_per_module": [], "zero3_leaves": []}
     recipe: dict[str, list[float]] = {"per_module": [], "leaves": []}
     losses: dict[str, list[float]] = {}
@@ -118,17 +144,18 @@ def measure(args) -> dict:
             if leaves is None:
                 cpu[name].append(plain(args)["cpu_s_per_step"])
             else:
-                summary = engine(args, ONE_PROCESS, leaves, "bare")
+                summary = engine(args, one_process, leaves, "bare")
                 cpu[name].append(summary["bare_cpu_s_per_step"])
         pairs = [("per_module", PER_MODULE), ("leaves", LEAVES)]
         for name, leaves in pairs if round_index % 2 == 0 else reversed(pairs):
-            summary = engine(args, TWO_RANKS, leaves, "recipe")
+            summary = engine(args, two_ranks, leaves, "recipe")
             recipe[name].append(summary["recipe_s_per_step"])
             losses[name] = summary["warmup_losses"]
     medians = {name: statistics.median(values) for name, values in cpu.items()}
     recipe_medians = {name: statistics.median(values) for name, values in recipe.items()}
     return {
         "layers": args.layers, "hidden_size": args.hidden, "micro_batch": args.micro_batch, "bf16": args.bf16,
+        "persistence_threshold": persistence_threshold(args),
         "steps": args.steps, "rounds": args.rounds,
         "cpu_s_per_step": medians, "cpu_passes_s_per_step": cpu,
         "zero3_overhead_cpu_s": {name: medians[name] - medians["plain"] for name in ("zero3_per_module",
@@ -147,7 +174,7 @@ def render(result: dict) -> str:
     lines = [
         f"ZeRO-3 host tax: {result['layers']} layers of hidden size {result['hidden_size']}, micro-batch "
         f"{result['micro_batch']}, {'bf16' if result['bf16'] else 'fp32'}, {result['rounds']} round(s) of "
-        f"{result['steps']} steps",
+        f"{result['steps']} steps, parameters under {result['persistence_threshold']} elements resident",
         "| one process, CPU time | s per step | x plain torch |",
         "|---|---:|---:|",
         *(f"| {name} | {seconds:.3f} | {seconds / plain_s:.2f} |" for name, seconds in cpu.items()),
@@ -183,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every configuration, order alternating")
     parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--persistence-threshold", type=int, help="DeepSpeed's, in elements (default: 10 x hidden)")
     parser.add_argument("--json-output", help="also write the JSON line's object to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -198,8 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         plain_worker(args, args.worker)
         return 0
+    import tempfile
+
     try:
-        result = measure(args)
+        with tempfile.TemporaryDirectory() as scratch:
+            configs = [with_threshold(config, persistence_threshold(args), Path(scratch)) for config in
+                       (ONE_PROCESS, TWO_RANKS)]  # fmt: skip
+            result = measure(args, *configs)
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1

@@ -116,6 +116,7 @@ def test_clean_quality_compares_stock_and_shared_split_speed_and_decisions(tmp_p
 @pytest.mark.multiprocess
 def test_zero3_host_tax_times_plain_torch_and_both_granularities():
     report = run_benchmark("zero3_host_tax", "--layers", "4", "--steps", "1", "--rounds", "1")
+    assert report["persistence_threshold"] == 640, "10 x the default hidden size: projections partitioned"
     cpu = report["cpu_s_per_step"]
     assert set(cpu) == {"plain", "zero3_per_module", "zero3_leaves"} and min(cpu.values()) > 0
     assert report["overhead_left_with_leaves"] == pytest.approx(
