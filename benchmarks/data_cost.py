@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import resource
 import subprocess
@@ -24,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.step_overhead import print_json
 from common.process import with_repo_on_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[stage] = {"cpu_s": cpu_s, "wall_s": wall_s, "core_hours_per_tb": per_tb(cpu_s, input_mb)}
     print(f"input: {len(inputs)} file(s), {input_mb:.1f} MB; {args.workers} worker(s)")
     print_table(rows, args)
-    line = json.dumps({"input_mb": input_mb, "workers": args.workers, "stages": rows})
-    print(line)
-    if args.json_output:
-        Path(args.json_output).write_text(line + "\n")
+    print_json({"input_mb": input_mb, "workers": args.workers, "stages": rows}, args.json_output)
     return 0
 
 

@@ -20,7 +20,6 @@ after the change, and the largest after it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
@@ -29,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.step_overhead import print_json
 from common.process import with_repo_on_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,10 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         data = build_data(work)
         results = {dtype: measure(work, data, dtype, args.steps, args.change_at) for dtype in args.dtypes.split(",")}
     print_table(results, args.change_at)
-    line = json.dumps({"steps": args.steps, "change_at": args.change_at, "results": results})
-    print(line)
-    if args.json_output:
-        Path(args.json_output).write_text(line + "\n")
+    print_json({"steps": args.steps, "change_at": args.change_at, "results": results}, args.json_output)
     return 0
 
 

@@ -126,6 +126,22 @@ def test_zero3_host_tax_times_plain_torch_and_both_granularities():
     assert report["warmup_losses_equal"] is True, "the same engine's first losses, with and without leaves"
 
 
+def test_the_host_tax_launches_with_its_threshold_and_the_shipped_json_otherwise(tmp_path):
+    """The scaled threshold reaches the DeepSpeed JSON the launch reads; every other value is the shipped one's."""
+    import yaml
+
+    from benchmarks.zero3_host_tax import TWO_RANKS, with_threshold
+
+    def deepspeed_json(accelerate_config):
+        path = yaml.safe_load(accelerate_config.read_text())["deepspeed_config"]["deepspeed_config_file"]
+        return json.loads((REPO / path).read_text())  # an absolute path stays itself under REPO /
+
+    launched, shipped = deepspeed_json(with_threshold(TWO_RANKS, 640, tmp_path)), deepspeed_json(TWO_RANKS)
+    assert launched["zero_optimization"].pop("stage3_param_persistence_threshold") == 640
+    shipped["zero_optimization"].pop("stage3_param_persistence_threshold")
+    assert launched == shipped
+
+
 def test_elastic_drift_builds_valid_launches_and_compares_losses(tmp_path, corpus):
     """The benchmark's launches take ~5 minutes (docs/slurm.md gives its figures); here its recipe arguments load
     as a recipe, its comparison is checked on known losses, and a change step outside the run is refused."""
