@@ -5,7 +5,10 @@ process, and writes who holds it (host, pid, process start time, command). A sec
 taken and stops, naming the holder. The kernel drops the flock when its holder dies, even by SIGKILL, so a lock
 left by a dead process on this host is taken over (with a warning). A lock recorded by another host is never
 taken over: on a shared filesystem without working cross-node flock a live holder there would look dead, so
-the error says how to clear it by hand once that node is known to be down.
+the error says how to clear it by hand once that node is known to be down. The one exception is Slurm's own
+requeue: a lock recorded by an earlier start of this same job (its SLURM_JOB_ID, a lower SLURM_RESTART_COUNT) is
+taken over wherever it was held, because Slurm starts a job again only once its previous start has ended, and a
+requeue after a lost head node lands on another host.
 """
 
 from __future__ import annotations
@@ -36,7 +39,33 @@ def _this_process() -> dict:
         "process_started": me.create_time(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(sys.argv)[:500],
-    }
+    } | _slurm_start()
+
+
+def _slurm_start() -> dict:
+    """Which start of which Slurm job this process belongs to (empty outside Slurm)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return {}
+    return {"slurm_job_id": job, "slurm_restart_count": _restart_count(os.environ.get("SLURM_RESTART_COUNT"))}
+
+
+def _restart_count(value) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def earlier_start_of_this_job(holder: dict) -> bool:
+    """Whether `holder` was an earlier start of the Slurm job this process runs in (so it has ended)."""
+    mine = _slurm_start()
+    return (
+        bool(mine)
+        and str(holder.get("slurm_job_id")) == mine["slurm_job_id"]
+        and "slurm_restart_count" in holder
+        and _restart_count(holder["slurm_restart_count"]) < mine["slurm_restart_count"]
+    )
 
 
 def _alive_on_this_host(holder: dict) -> bool:
@@ -80,13 +109,13 @@ class DirectoryLock:
                 break
             os.close(fd)
         previous = _read(fd)
-        if previous and previous.get("host") != socket.gethostname():
+        if previous and previous.get("host") != socket.gethostname() and not earlier_start_of_this_job(previous):
             os.close(fd)
             raise LockedError(
                 f"{self.directory} is locked by a {self.what} on another host ({describe(previous)}). If that run "
                 f"is over (its node died), delete {self.path} and launch again"
             )
-        if previous and _alive_on_this_host(previous):
+        if previous and previous.get("host") == socket.gethostname() and _alive_on_this_host(previous):
             os.close(fd)
             raise LockedError(f"{self.directory} is in use by another {self.what} ({describe(previous)})")
         self.took_over = previous or None

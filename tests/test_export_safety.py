@@ -132,7 +132,8 @@ def test_a_stop_signal_during_the_final_export_abandons_it_and_leaves_nothing(ru
 
 def test_a_killed_exports_staging_is_removed_at_the_next_start(run, trained_run):
     """A SIGKILLed export leaves `.final.tmp` (~140 GB at 70B) hidden in the run directory: the run's next start
-    removes it unless an export still holds its lock; the next export to the same output removes its own."""
+    removes it unless an export still holds its lock; the next export to the same output removes its own. A killed
+    save's `.checkpoint-N.tmp` goes at the next start too (with the space a save needs, the next save would fail)."""
     from recipes.training.checkpointing import export_staging
     from recipes.training.output_dir import prepare
 
@@ -143,11 +144,14 @@ def test_a_killed_exports_staging_is_removed_at_the_next_start(run, trained_run)
     lock.touch()
     beside, beside_lock = export_staging(run_dir / "export-20")
     beside.mkdir()
+    killed_save = run_dir / ".checkpoint-7.tmp"  # a save SIGKILLed halfway (at 70B up to ~1 TB)
+    (killed_save / "pytorch_model").mkdir(parents=True)
+    (killed_save / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x" * 4096)
     config = copy.deepcopy(trained_run["config"])  # the session's: not to be changed
     config.output_dir = str(run_dir)
     with FileLock(beside_lock, what="a live export"):  # an export beside the checkpoints, still at work
         prepare(config, {}, AutoTokenizer.from_pretrained(trained_run["corpus"]["tokenizer"]))
-    assert not staging.exists() and beside.exists()
+    assert not staging.exists() and beside.exists() and not killed_save.exists()
     elsewhere = run_dir.parent / "model"
     export_staging(elsewhere)[0].mkdir()
     result = export(checkpoint, "--output", elsewhere)

@@ -115,6 +115,36 @@ def test_zero3_without_optimizer_offload_does_not_fit_on_8x80gb():
     assert "does not fit" in plan.verdicts[0] and "optimizer_states" in plan.verdicts[0]
 
 
+def test_the_docs_figures_of_the_70b_plans_are_the_planners():
+    """The README's cost table, docs/planning.md's copy of it, the recipes' headers, and the step and memory figures
+    quoted in docs/run-safety.md and docs/node-failure.md, against the planner (they had drifted: 156 GB written where
+    the plan said 196)."""
+    offload = plan_for(RECIPE_8)[1]
+    shipped_no_offload = load_deepspeed_json(REPO / "accelerate_configs/deepspeed/zero3_no_offload.json")
+    no_offload = plan_for(RECIPE_8, ds_config=shipped_no_offload)[1]
+    weights_gb = offload.params * 2 / 1e9
+    optimizer_gb = offload.checkpoint_gb - weights_gb
+    memory = f"~{offload.per_gpu_memory_gb['total']:.0f} GB with each decoder layer gathered whole"
+    without = f"({no_offload.per_gpu_memory_gb['total']:.0f} GB without offload: does not fit)"
+    checkpoint = f"~{weights_gb:.0f} GB weights + ~{optimizer_gb:.0f} GB optimizer state"
+    for page in ("README.md", "docs/planning.md"):
+        text = (REPO / page).read_text()
+        assert memory in text and without in text, page
+        assert checkpoint.replace(f"{weights_gb:.0f}", f"{round(weights_gb, -1):.0f}").replace(
+            f"{optimizer_gb:.0f}", f"{round(optimizer_gb, -1):.0f}") in text, page  # fmt: skip
+    header = RECIPE_8.read_text()
+    assert f"it would need ~{no_offload.per_gpu_memory_gb['total']:.0f} GB" in header
+    assert f"~{round(optimizer_gb, -1):.0f} GB of optimizer state" in header
+    days_per_1000_steps = offload.step_time_s * 1000 / 86400
+    run_safety = " ".join((REPO / "docs/run-safety.md").read_text().split())
+    assert f"~{offload.step_time_s:.0f} s per step on 8 PCIe A800s" in run_safety
+    assert f"every ~{days_per_1000_steps:.1f} days" in run_safety
+    node_failure = " ".join((REPO / "docs/node-failure.md").read_text().split())
+    assert f"~{days_per_1000_steps:.1f} days as planned" in node_failure
+    one_node = plan_for(RECIPE_16, gpus=8, nodes=1)[1]
+    assert f"it fits ({one_node.per_gpu_memory_gb['total']:.1f} GB per GPU" in node_failure
+
+
 def test_short_host_memory_is_a_verdict_and_a_throughput_promise_a_warning():
     config, plan = plan_for(RECIPE_8, host_memory_gb=1024)
     assert not plan.fits and "host memory" in plan.verdicts[0]

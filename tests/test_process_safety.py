@@ -58,6 +58,33 @@ def test_a_lock_recorded_by_another_host_is_never_taken_over(tmp_path):
     assert "another host (host node-17, pid 4242" in str(error.value) and "delete" in str(error.value)
 
 
+def test_a_requeued_slurm_job_takes_over_the_lock_its_earlier_start_left_on_another_host(tmp_path, monkeypatch):
+    """The head node died (its lock stays behind) and Slurm requeued the job onto other nodes: the same job with a
+    higher restart count takes the lock over; another job, or the same start, still does not."""
+    record = {"host": "node-17", "pid": 4242, "started": "yesterday", "slurm_job_id": "77", "slurm_restart_count": 0}
+    (tmp_path / ".lock").write_text(json.dumps(record))
+    refused = [("78", "1"), ("77", "0"), ("77", None)]  # another job; this same start; no restart count
+    for job, restarts in refused:
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        if restarts is None:
+            monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+        else:
+            monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)
+        with pytest.raises(LockedError, match="another host"):
+            DirectoryLock(tmp_path, "training run").acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock = DirectoryLock(tmp_path, "training run").acquire()
+    assert lock.took_over["host"] == "node-17"
+    mine = json.loads((tmp_path / ".lock").read_text())
+    assert mine["pid"] == os.getpid() and (mine["slurm_job_id"], mine["slurm_restart_count"]) == ("77", 1)
+    lock.release()
+    # a lock written outside Slurm (no job id) is never taken over from another host
+    (tmp_path / ".lock").write_text(json.dumps({"host": "node-17", "pid": 4242, "started": "yesterday"}))
+    with pytest.raises(LockedError, match="another host"):
+        DirectoryLock(tmp_path, "training run").acquire()
+
+
 CHILD = """
 import os, sys, time
 from common.process import die_with_parent

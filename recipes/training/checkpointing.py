@@ -339,6 +339,18 @@ def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
     return removed
 
 
+def remove_stale_checkpoint_staging(output_dir: Path) -> list[tuple[Path, int]]:
+    """`.checkpoint-N.tmp` directories left by saves that were killed (at 70B up to ~1 TB of hidden files), removed
+    at a start, where no save of this directory can be at work (the run holds its lock). Returns them with their
+    bytes."""
+    removed = []
+    for staging in sorted(output_dir.glob(".checkpoint-*.tmp")):
+        size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
+        shutil.rmtree(staging, ignore_errors=True)
+        removed.append((staging, size))
+    return removed
+
+
 def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: int | None, best: Path | None):
     """Delete the oldest complete checkpoints beyond the limit, except one being read (an export holds its pin: it
     goes at a later rotation); incomplete leftovers of killed saves too."""
