@@ -185,7 +185,9 @@ def kill_repeatedly(corpus, source, out, kills: int, seed: int, extra=()) -> int
     finished = subprocess.run(preprocess_command(corpus, source, out, extra=extra), cwd=REPO, env=LAUNCH_ENV,
                               capture_output=True, text=True, timeout=600)  # fmt: skip
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert landed == 0 or "resuming after shard" in finished.stdout, finished.stdout[-2000:]
+    # the last kill can land after the output was published (a kill in the last fraction of a second)
+    resumed = "resuming after shard" in finished.stdout or "is already complete" in finished.stdout
+    assert landed == 0 or resumed, finished.stdout[-2000:]
     return landed
 
 
@@ -312,16 +314,24 @@ def test_the_training_stream_tokenizes_a_long_document_in_pieces_to_the_same_ids
 
 
 def test_json_lines_read_as_the_standard_json_module_reads_them(tmp_path):
-    """What each kind of odd line gives, pinned for any faster parser tried later (orjson refuses lone surrogate
-    escapes and NaN, which json takes, and parsed no faster here: the stream's time is the tokenizer's)."""
+    """What each kind of odd line gives, pinned for any faster parser tried later (orjson refuses NaN, which json
+    takes, and parsed no faster here: the stream's time is the tokenizer's). Lines that parse but cannot be
+    trained on are skipped with a reason: an escaped lone surrogate (the tokenizers raised on it: exit 1, which a
+    scheduler retries), an integer past Python's 4,300 digits and nesting past its recursion limit (a traceback
+    each, before); an escaped surrogate pair is an emoji and is kept."""
     from data_prep.reading.readers import iter_records
 
     lines = [b'{"text": "caf\xc3\xa9"}', b'{"text": "\\ud800 lone"}', b'{"score": NaN, "text": "nan beside"}',
              b'{"n": 123456789012345678901234567890, "text": "big"}', b'{"text": "\xff"}', b'{"text": "cut',
-             b'{"a": 1, "a": 2, "text": "dup"}', b'["text"]', b'{"text": ""}', b'{"text": 5}']  # fmt: skip
+             b'{"a": 1, "a": 2, "text": "dup"}', b'["text"]', b'{"text": ""}', b'{"text": 5}',
+             b'{"n": ' + b"9" * 5000 + b', "text": "huge number"}', b'{"text": "deep", "x": ' + b"[" * 100_000 +
+             b"]" * 100_000 + b"}", b'{"text": "smile \\ud83d\\ude00"}', b'{"text": "\\udc00\\ud800 reversed"}',
+             b'{"text": "a backslash then u: \\\\ud800"}']  # fmt: skip
     path = tmp_path / "tricky.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     got = [(r.line, r.text, r.skipped) for r in iter_records(path)]
-    assert got == [(1, "café", None), (2, "\ud800 lone", None), (3, "nan beside", None), (4, "big", None),
+    assert got == [(1, "café", None), (2, None, "invalid_utf8"), (3, "nan beside", None), (4, "big", None),
                    (5, None, "invalid_utf8"), (6, None, "malformed_json"), (7, "dup", None), (8, None, "missing_field"),
-                   (9, None, "empty_text"), (10, None, "missing_field")]  # fmt: skip
+                   (9, None, "empty_text"), (10, None, "missing_field"), (11, None, "malformed_json"),
+                   (12, None, "malformed_json"), (13, "smile \U0001f600", None), (14, None, "invalid_utf8"),
+                   (15, "a backslash then u: \\ud800", None)]  # fmt: skip

@@ -92,6 +92,19 @@ def test_the_web_preset_warns_on_documentation_and_curated_keeps_its_code(techni
     assert json.loads((tmp_path / "curated" / "clean_report.json").read_text())["warnings"] == []
 
 
+@pytest.mark.multiprocess
+def test_pages_with_windows_line_ends_are_cleaned_as_the_same_pages_with_unix_ones(technical, tmp_path):
+    """The filters split lines on LF only: the curated preset removed every one of these pages once their lines ended
+    in CRLF (each line ending in CR, not punctuation). Line ends become LF as the documents are read, so the pages
+    are kept, and written with LF."""
+    crlf = tmp_path / "manual_crlf.jsonl"
+    originals = [json.loads(line)["text"] for line in technical.read_text().splitlines()]
+    crlf.write_text("".join(json.dumps({"text": text.replace("\n", "\r\n")}) + "\n" for text in originals))
+    curated = run_clean([str(crlf)], tmp_path / "curated", "--preset", "curated")
+    assert curated.returncode == 0, curated.stderr[-3000:]
+    assert [record["text"] for record in output_lines(tmp_path / "curated")] == originals
+
+
 def a_report(read_bytes: int, steps: dict[str, tuple[int, int, dict]], preset: str | None = "web") -> dict:
     """A report holding only what the warnings read: per step (bytes in, bytes out, {reason: bytes removed})."""
     tallies = {

@@ -2,8 +2,8 @@
 
 Memory stays flat: jsonl and text are read line by line (gzip and zstd too), parquet one row group
 at a time. Plain text treats each non-empty line as a document. A record that holds no usable text
-(malformed JSON, invalid UTF-8, a missing field, an empty text) is not a document: `iter_records`
-reports it with its reason and 1-based line (or parquet row) number, and `iter_texts` passes over it.
+(malformed JSON, invalid UTF-8 or an escaped lone surrogate, a missing field, an empty text) is not a document:
+`iter_records` reports it with its reason and 1-based line (or parquet row) number, and `iter_texts` passes over it.
 A UTF-8 byte-order mark at the start of a file is dropped; CRLF line ends are fine.
 
 A damaged file is not a bad record: a gzip or zstd stream that ends early or fails its checks, or a parquet
@@ -19,6 +19,7 @@ import gzip
 import io
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,12 +145,27 @@ def _line_record(line_number: int, raw: bytes, kind: str, text_field: str) -> Re
         return Record(line_number, line.rstrip("\r\n"))
     try:
         record = json.loads(line)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON; or an integer past Python's 4,300 digits; or nested too deep
         return Record(line_number, None, "malformed_json")
     text = record.get(text_field) if isinstance(record, dict) else None
     if not isinstance(text, str):
         return Record(line_number, None, "missing_field")
+    if LONE_SURROGATE_ESCAPE.search(raw) and not _is_unicode_text(text):
+        return Record(line_number, None, "invalid_utf8")  # an escaped lone surrogate: no tokenizer can encode it
     return Record(line_number, text) if text else Record(line_number, None, "empty_text")
+
+
+# `\ud800`..`\udfff` in a JSON line: a surrogate, which decodes to a str that no UTF-8 encoder (nor tokenizer) takes
+# unless it pairs with its other half. The search is the cheap test; the encode decides.
+LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _is_unicode_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def iter_records(

@@ -35,6 +35,14 @@ def utf8_bytes(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
+def unix_line_ends(text: str) -> str:
+    """CRLF and lone CR as LF. The filters split lines and paragraphs on LF only: a page with Windows line ends was
+    one line to them, each line ending in CR rather than punctuation, and every such page was removed."""
+    if "\r" not in text:
+        return text
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def audit_path(work: str | Path, step: str, rank: int) -> Path:
     return Path(work) / "audit" / step / f"{rank:05d}.json"
 
@@ -87,9 +95,10 @@ class CorpusReader(PipelineStep):
                     if record.skipped:
                         self._skip(tally, record.skipped, f"{path}:{record.line}", rank)
                         continue
+                    text = unix_line_ends(record.text)
                     tally.docs_out += 1
-                    tally.bytes_out += utf8_bytes(record.text)
-                    yield Document(record.text, f"{Path(path).name}:{record.line}",
+                    tally.bytes_out += utf8_bytes(text)
+                    yield Document(text, f"{Path(path).name}:{record.line}",
                                    metadata={"source": path, "line": record.line})  # fmt: skip
             except CorruptFileError as error:
                 if not self.skip_corrupt_files:
