@@ -13,6 +13,7 @@ With no local directory, lm-eval's stock hub tasks (`mmlu`, `gsm8k`) are used, w
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -33,7 +34,7 @@ MMLU_SUBJECTS = tuple(sorted(p.stem[len("mmlu_local_") :] for p in TASKS_DIR.glo
 
 # What the user calls each BenchmarkSettings field: eval.run's flags; the training recipe passes its keys.
 FLAG_NAMES = {"tasks": "--tasks", "limit": "--limit", "num_fewshot": "--num-fewshot", "batch_size": "--batch-size",
-              "max_gen_toks": "--max-gen-toks"}  # fmt: skip
+              "max_gen_toks": "--max-gen-toks", "mmlu_dir": "--mmlu-dir"}  # fmt: skip
 
 
 @dataclass
@@ -47,10 +48,11 @@ class BenchmarkSettings:
     max_gen_toks: int | None = None  # GSM8K answer budget; None keeps lm-eval's (256)
     log_samples: bool = False  # every document's prompt, answers and scores in the results (`samples`)
 
-    def check(self, names: dict[str, str] | None = None) -> None:
+    def check(self, names: dict[str, str] | None = None) -> list[str]:
         """Before any expensive work: known task names, numbers that can work, and local data that loads with a
         few-shot split large enough. `names` maps the fields to what the user set (eval.run's flags by default).
-        Any number of test documents works on any number of ranks (`eval.sharded`)."""
+        Any number of test documents works on any number of ranks (`eval.sharded`). Returns warnings to show once
+        (an MMLU directory with some of the subjects)."""
         from data_prep.benchmark_files.layouts import (
             HUB_GSM8K_TRAIN_ROWS,
             HUB_MMLU_DEV_ROWS,
@@ -68,9 +70,12 @@ class BenchmarkSettings:
             if value is not None and value < low:
                 raise ValueError(f"{names[key]} {value}: must be at least {low}" + (" or unset" if key in (
                     "limit", "max_gen_toks") else ""))  # fmt: skip
-        pools = {}  # the smallest few-shot split of each task, and where it is
+        pools, warnings = {}, []  # the smallest few-shot split of each task, and where it is
         if "mmlu" in self.tasks:
             splits = mmlu_split_rows(self.mmlu_dir) if self.mmlu_dir else {}
+            if self.mmlu_dir:
+                splits, warning = known_mmlu_subjects(splits, f"{names['mmlu_dir']} {self.mmlu_dir}")
+                warnings += [warning] if warning else []
             rows = {s: r["dev"] for s, r in splits.items()} or {"every subject": HUB_MMLU_DEV_ROWS}
             smallest = min(rows, key=rows.get)
             pools["mmlu"] = (rows[smallest], f"MMLU's dev split has {rows[smallest]} rows for {smallest}")
@@ -82,11 +87,32 @@ class BenchmarkSettings:
             if self.num_fewshot > pool:
                 raise ValueError(f"{names['num_fewshot']} {self.num_fewshot}: {where}, so at most {pool} examples "
                                  "can precede a question")  # fmt: skip
+        return warnings
 
     def metadata(self) -> dict[str, str | bool]:
         """What the local tasks' loaders read (lm-eval's `--metadata`); `raise_errors`: exceptions, not an exit."""
         given = {key: value for key, value in (("mmlu_dir", self.mmlu_dir), ("gsm8k_dir", self.gsm8k_dir)) if value}
         return {**given, "raise_errors": True} if given else given
+
+
+def known_mmlu_subjects(splits: dict[str, dict], where: str) -> tuple[dict[str, dict], str | None]:
+    """The subjects of an MMLU directory that are MMLU's (only those are evaluated), and a warning when some of the 57
+    are missing. None of them (a cais/mmlu snapshot of its `all` folder only) is refused: MMLU would not run."""
+    known = {subject: rows for subject, rows in splits.items() if subject in MMLU_SUBJECTS}
+    if not known:
+        found = ", ".join(sorted(splits)[:5]) + (", ..." if len(splits) > 5 else "")
+        raise ValueError(
+            f"{where}: no MMLU subject by name (found: {found}); expected the {len(MMLU_SUBJECTS)} subjects' folders "
+            f"or files ({', '.join(MMLU_SUBJECTS[:3])}, ...): a cais/mmlu snapshot needs its per-subject folders, "
+            "not only all/"
+        )
+    if len(known) == len(MMLU_SUBJECTS):
+        return known, None
+    missing = [subject for subject in MMLU_SUBJECTS if subject not in known]
+    return known, (
+        f"{where} holds {len(known)} of the {len(MMLU_SUBJECTS)} MMLU subjects (missing: {', '.join(missing[:5])}"
+        f"{', ...' if len(missing) > 5 else ''}): mmlu/acc is their accuracy weighted by size, not MMLU's"
+    )
 
 
 @dataclass
@@ -186,6 +212,8 @@ def evaluate(model, tokenizer, settings: BenchmarkSettings, *, rank: int = 0, wo
 
         lm_class = sharded_lm_class(lm_class)
         model_args = {**model_args, "rank": rank, "world_size": world_size}
+    # a copy: lm-eval gives a tokenizer without a pad token one (unk or eos) in place, and the run exports its own
+    tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None and not isinstance(tokenizer, str) else tokenizer
     lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, stop_requested=stop_requested,
                   **model_args)  # fmt: skip
     if world_size > 1:

@@ -110,18 +110,38 @@ def run_benchmarks(model, accelerator, tokenizer, settings: BenchmarkSettings, s
             logger.error("step %d: benchmarks failed on rank(s) %s, training continues: %s", step,
                          ", ".join(map(str, failed)), next(iter(failed.values()), "unknown"))  # fmt: skip
         return {}
-    # lm-eval gathers every rank's scores to rank 0 and aggregates there; the others get None.
+    # lm-eval gathers every rank's scores to rank 0 and aggregates there; the others get None. Whatever fails on the
+    # main process now (a full disk, a bug) is logged: the other ranks are already waiting in the broadcast.
     scores = [None]
     if accelerator.is_main_process:
-        documents = sum(n["effective"] for n in results["n-samples"].values())
-        lengths = PromptLengths(**results["prompt_lengths"])
-        scores = [{**headline_scores(results), **benchmark_timings(results, seconds),
-                   "benchmark_truncated_prompts": lengths.truncated}]  # fmt: skip
-        if lengths.warning(f"step {step}"):
-            logger.warning("%s", lengths.warning(f"step {step}"))
-        samples = results.pop("samples", None)
-        write_results(results, output_dir / "eval" / f"step-{step}.json")
-        if samples is not None:
-            write_samples(samples, output_dir / "eval" / f"step-{step}-samples.jsonl")
-        logger.info("step %d: benchmarks (%d documents, %.1f s)\n%s", step, documents, seconds, format_table(results))
+        try:
+            scores = [main_process_scores(results, step, seconds)]
+        except Exception as error:
+            logger.error("step %d: benchmark scores could not be computed, training continues: %s: %s", step,
+                         type(error).__name__, error)  # fmt: skip
+            scores = [{}]
+        try:
+            write_step_results(results, step, seconds, output_dir)
+        except Exception as error:
+            logger.error("step %d: benchmark results not written to %s, training continues (the scores go to the "
+                         "metrics): %s: %s", step, output_dir / "eval", type(error).__name__, error)  # fmt: skip
     return broadcast_object_list(scores)[0]
+
+
+def main_process_scores(results: dict, step: int, seconds: float) -> dict:
+    """The headline scores, timings and truncated-prompt count of an evaluation's results (lm-eval's, on rank 0)."""
+    lengths = PromptLengths(**results["prompt_lengths"])
+    if lengths.warning(f"step {step}"):
+        logger.warning("%s", lengths.warning(f"step {step}"))
+    return {**headline_scores(results), **benchmark_timings(results, seconds),
+            "benchmark_truncated_prompts": lengths.truncated}  # fmt: skip
+
+
+def write_step_results(results: dict, step: int, seconds: float, output_dir: Path) -> None:
+    """`eval/step-N.json` (and its samples), and the table in the log."""
+    documents = sum(n["effective"] for n in results["n-samples"].values())
+    samples = results.pop("samples", None)
+    write_results(results, output_dir / "eval" / f"step-{step}.json")
+    if samples is not None:
+        write_samples(samples, output_dir / "eval" / f"step-{step}-samples.jsonl")
+    logger.info("step %d: benchmarks (%d documents, %.1f s)\n%s", step, documents, seconds, format_table(results))

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(error), BAD_INPUT)
     started = time.perf_counter()
     try:
-        results = evaluate(str(args.model), tokenizer, settings,
+        results = evaluate(str(Path(args.model).resolve()), tokenizer, settings,  # a relative path is a hub id too
                            **model_args(args.device, args.dtype, args.parallelize))  # fmt: skip
     except OSError as error:  # a cache written on the way (the datasets library's)
         return disk_full_exit(args.output, error, "a cache file", "it evaluates again")
@@ -96,7 +96,8 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
 def check_inputs(args, settings: BenchmarkSettings):
     """Everything a person may have got wrong, before the model is loaded (minutes at 70B): the benchmark data, the
     model directory, its tokenizer, the device and dtype, the output. Returns the tokenizer."""
-    settings.check()
+    for warning in settings.check():
+        print(f"warning: {warning}", file=sys.stderr)
     model = Path(args.model)
     if not (model / "config.json").is_file():
         raise ValueError(f"--model {args.model}: no config.json there; expected a saved model directory")

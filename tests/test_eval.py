@@ -135,6 +135,33 @@ def test_missing_or_malformed_data_names_what_was_expected(tmp_path, data):
         BenchmarkSettings(tasks=["hellaswag"]).check({"tasks": "eval_tasks"})
 
 
+def test_an_mmlu_directory_without_mmlus_subject_names_is_refused_and_one_with_some_is_named(data, tmp_path):
+    """A cais/mmlu snapshot of its `all` folder only loaded and passed every check, and then MMLU did not run at all
+    (no subject by name: `mmlu/acc` never logged, no word); with `--tasks mmlu` alone, lm-eval's "No tasks specified"
+    came after the model had loaded. Refused now before any model. A copy with some subjects runs them, and says so."""
+    import shutil
+
+    from eval.harness import MMLU_SUBJECTS
+
+    every = pq.read_table(next((Path(data["mmlu_parquet"]) / "elementary_mathematics").glob("test-*.parquet")))
+    snapshot = tmp_path / "mmlu_all_only"
+    for folder in ("all", "auxiliary_train"):
+        (snapshot / folder).mkdir(parents=True)
+        for split in ("test", "dev"):
+            pq.write_table(every, snapshot / folder / f"{split}-00000-of-00001.parquet")
+    for tasks in (["mmlu", "gsm8k"], ["mmlu"]):
+        with pytest.raises(ValueError) as refused:
+            BenchmarkSettings(tasks, str(snapshot), str(data["gsm8k_jsonl"])).check({"mmlu_dir": "mmlu_dir"})
+        said = str(refused.value)
+        assert said.startswith(f"mmlu_dir {snapshot}: no MMLU subject by name (found: all, auxiliary_train)"), said
+        assert "\n" not in said and "per-subject folders" in said
+    shutil.copytree(Path(data["mmlu_parquet"]) / "elementary_mathematics", snapshot / "elementary_mathematics")
+    warnings = BenchmarkSettings(["mmlu"], str(snapshot)).check()
+    assert warnings == [f"--mmlu-dir {snapshot} holds 1 of the {len(MMLU_SUBJECTS)} MMLU subjects (missing: "
+                        "abstract_algebra, anatomy, astronomy, business_ethics, clinical_knowledge, ...): mmlu/acc is "
+                        "their accuracy weighted by size, not MMLU's"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("settings", "said"),
     [
@@ -218,6 +245,23 @@ def test_lm_evals_cli_and_eval_run_give_identical_scores(tmp_path, data, tiny_mo
     assert scores(ours) == scores(theirs) and set(scores(ours)) == {*tasks.split(",")}
 
 
+def test_a_relative_model_path_is_never_looked_up_on_the_hub(tmp_path, data, tiny_model_dir, monkeypatch):
+    """`--model models/step-4000` (the docs' own form) is also a valid hub repo id: lm-eval asked huggingface.co
+    for its sha with the local path in the request (a stall offline; a stranger's sha recorded where such a repo
+    exists). The model is handed to lm-eval by its absolute path."""
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo_id, **_: asked.append(repo_id))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "step-4000").symlink_to(tiny_model_dir)
+    monkeypatch.chdir(tmp_path)
+    code = run_main(["--model", "models/step-4000", "--tasks", "gsm8k", "--gsm8k-dir", str(data["gsm8k_jsonl"]),
+                     "--limit", "1", "--max-gen-toks", "4", "--output", "results.json"])  # fmt: skip
+    assert code == 0 and (tmp_path / "results.json").exists()
+    assert "models/step-4000" not in asked, asked
+
+
 def test_standalone_runner_on_both_layouts_writes_lm_eval_results(tmp_path, data, tiny_model_dir, capsys):
     scores = []
     for mmlu, gsm8k in (("mmlu_csv", "gsm8k_jsonl"), ("mmlu_parquet", "gsm8k_parquet")):
@@ -268,12 +312,13 @@ def test_an_output_that_cannot_take_the_results_is_refused_before_the_evaluation
     assert json.loads((model / "results.json").read_text())["n-samples"]["gsm8k_local"]["effective"] == 2
 
 
-def test_in_loop_hook_restores_rng_and_training_mode(tmp_path, data, tiny_model_dir):
+def test_in_loop_hook_restores_rng_training_mode_and_the_tokenizer(tmp_path, data, tiny_model_dir):
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.pad_token = None  # as Llama-2's tokenizer: lm-eval gave the run's own tokenizer one, in place
     settings = BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_parquet"]), str(data["gsm8k_jsonl"]), limit=2,
                                  max_gen_toks=8)  # fmt: skip
     torch.manual_seed(123)
@@ -284,6 +329,7 @@ def test_in_loop_hook_restores_rng_and_training_mode(tmp_path, data, tiny_model_
     scores = run_benchmarks(model, accelerator, tokenizer, settings, step=7, output_dir=tmp_path)
     after = capture_rng_state()
     assert model.training
+    assert tokenizer.pad_token is None, "the run's tokenizer (exported with the model) is left as it was"
     assert torch.equal(before["torch"], after["torch"]) and before["python"] == after["python"]
     assert all(np.array_equal(a, b) for a, b in zip(before["numpy"], after["numpy"], strict=True))
     assert {"mmlu/acc", "gsm8k/exact_match_strict", "gsm8k/exact_match_flexible", "benchmark_seconds"} <= set(scores)
@@ -306,6 +352,30 @@ def test_a_failing_benchmark_is_logged_and_training_goes_on(tmp_path, data, tiny
     scores = run_benchmarks(model, Accelerator(cpu=True), tokenizer, settings, step=3, output_dir=tmp_path)
     assert scores == {} and model.training
     assert "step 3: benchmarks failed" in caplog.text and "vanished" in caplog.text
+
+
+def test_a_full_disk_writing_the_results_is_logged_and_the_scores_still_reach_every_rank(tmp_path, data,
+                                                                                         tiny_model_dir, caplog,
+                                                                                         monkeypatch):  # fmt: skip
+    """The main process writes eval/step-N.json after the other ranks have gone to wait for its scores: an exception
+    there (ENOSPC) left run_benchmarks on the main process only, and the other ranks hung in the broadcast until the
+    watchdog ended the run. Now it is logged, the scores are returned (they go to the metrics) and training goes on."""
+    import errno
+
+    from accelerate import Accelerator
+
+    import eval.in_loop
+
+    def full_disk(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(eval.in_loop, "write_results", full_disk)
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir).train()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    settings = BenchmarkSettings(["gsm8k"], gsm8k_dir=str(data["gsm8k_jsonl"]), limit=1, max_gen_toks=4)
+    scores = run_benchmarks(model, Accelerator(cpu=True), tokenizer, settings, step=5, output_dir=tmp_path)
+    assert "gsm8k/exact_match_strict" in scores and model.training
+    assert "step 5: benchmark results not written to" in caplog.text and "No space left on device" in caplog.text
 
 
 def test_lm_evals_cli_names_a_bad_directory_in_one_line(tmp_path):
@@ -417,7 +487,8 @@ def test_a_launch_that_ended_during_the_benchmarks_skips_them_once_at_that_step(
 
     monkeypatch.setattr(eval.in_loop, "run_benchmarks", dies)
     settings = BenchmarkSettings(tasks=["gsm8k"])
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=True), state=SimpleNamespace(step=4),
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=True, num_processes=1),
+                              state=SimpleNamespace(step=4),
                               signals=SimpleNamespace(received=None), due=lambda every: True, is_last_step=False,
                               metrics=SimpleNamespace(write=lambda step, scores: calls.append(("scores", step))),
                               model=None)  # fmt: skip
@@ -437,3 +508,15 @@ def test_a_launch_that_ended_during_the_benchmarks_skips_them_once_at_that_step(
     fresh = Benchmarks(settings, None, tmp_path, eval_steps=4, every=1)
     fresh.on_train_start(trainer)
     assert fresh.skip_step is None
+    # the marker cannot be written (a full disk): the benchmarks still run on this rank, as on the others
+    import errno
+
+    import recipes.training.callbacks
+
+    def full_disk(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(recipes.training.callbacks, "atomic_write_text", full_disk)
+    trainer.state.step = 12
+    fresh.on_step_end(trainer, None, None)
+    assert calls[-2:] == [12, ("scores", 12)]

@@ -14,6 +14,7 @@ the order the callbacks were given:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -169,11 +170,16 @@ class Benchmarks(Callback):
         self.skip_step: int | None = None
 
     def on_train_start(self, trainer: TrainerView) -> None:
-        # read by every rank before any step; rewritten only at the next benchmarks, after a collective step
-        marker = self.output_dir / self.RUNNING_MARKER
-        try:
-            self.skip_step = int(json.loads(marker.read_text())["step"])
-        except (OSError, ValueError, KeyError, TypeError):
+        # read by the main process and sent to every rank (a collective): a rank that read it itself, on a node whose
+        # view of the file system lags, would skip benchmarks the others run, and they would wait for it forever
+        from accelerate.utils import broadcast_object_list
+
+        marker, skip = self.output_dir / self.RUNNING_MARKER, [None]
+        if trainer.accelerator.is_main_process:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                skip = [int(json.loads(marker.read_text())["step"])]
+        self.skip_step = broadcast_object_list(skip)[0] if trainer.accelerator.num_processes > 1 else skip[0]
+        if self.skip_step is None:
             return
         if trainer.accelerator.is_main_process:
             logger.warning(
@@ -196,7 +202,11 @@ class Benchmarks(Callback):
         from eval.in_loop import run_benchmarks
 
         if trainer.accelerator.is_main_process:
-            atomic_write_text(marker, json.dumps({"step": step}))
+            try:  # the other ranks go on into the benchmarks: a full disk here must not leave them waiting
+                atomic_write_text(marker, json.dumps({"step": step}))
+            except OSError as error:
+                logger.warning("step %d: %s not written (%s): should these benchmarks end the launch, the next one "
+                               "runs them again", step, marker, error)  # fmt: skip
         signalled = lambda: trainer.signals.received is not None  # noqa: E731
         scores = run_benchmarks(trainer.model, trainer.accelerator, self.tokenizer, self.settings, step,
                                 self.output_dir, stop_requested=signalled)  # fmt: skip

@@ -172,7 +172,9 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     benchmarks = benchmark_settings(config)
     if benchmarks:
         # numbers and data directories, before the model costs anything
-        benchmarks.check(RECIPE_KEYS)
+        for warning in benchmarks.check(RECIPE_KEYS):
+            if accelerator.is_main_process:
+                logger.warning(warning)
         logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
         positions, strict = model_config.max_position_embeddings, config.preflight_strict
         on_main_process(lambda: check_prompt_lengths(benchmarks, tokenizer, positions, strict), catch=(ConfigError,))
@@ -287,7 +289,8 @@ def validation_rows(config: PretrainConfig, tokenizer) -> torch.Tensor | None:
 
 # BenchmarkSettings' fields as the recipe names them, for its messages
 RECIPE_KEYS = {"tasks": "eval_tasks", "limit": "eval_limit", "num_fewshot": "eval_num_fewshot",
-               "batch_size": "per_device_eval_batch_size", "max_gen_toks": "eval_max_gen_toks"}  # fmt: skip
+               "batch_size": "per_device_eval_batch_size", "max_gen_toks": "eval_max_gen_toks",
+               "mmlu_dir": "mmlu_dir"}  # fmt: skip
 
 
 def benchmark_settings(config: PretrainConfig) -> BenchmarkSettings | None:
