@@ -226,3 +226,39 @@ def test_an_export_to_a_dangling_link_is_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="is a symbolic link to .*gone, which does not exist"):
         check_output(tmp_path / "models", False, {"the checkpoint": tmp_path / "checkpoint-1"})
     check_output(tmp_path / "new", False, {"the checkpoint": tmp_path / "checkpoint-1"})  # a plain new path is fine
+
+
+def test_an_explicit_resume_older_than_the_directorys_newest_is_refused_unless_a_requeue_repeats_it(
+    tmp_path, monkeypatch
+):
+    """`--resume out/checkpoint-200` into a directory holding checkpoint-400 went back to step 200, and rotation
+    (which keeps the highest steps) then deleted the new saves, so every later `--resume auto` went back to the
+    abandoned checkpoint-400. Refused now. A Slurm requeue of a job that started from another run's checkpoint
+    repeats that `--resume`: there it continues from the job's own newest, with a warning."""
+    from types import SimpleNamespace
+
+    from recipes.training.resume import resume_request
+
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    out, elsewhere = tmp_path / "out", tmp_path / "other_run"
+    own, started_from = make_checkpoint(out, 200), make_checkpoint(elsewhere, 100)
+    config = SimpleNamespace(output_dir=str(out), resume_from_checkpoint=str(own))
+    assert resume_request(config) == str(own), "nothing later: as asked"
+    make_checkpoint(out, 300, complete=False)  # a killed save is no later checkpoint
+    assert resume_request(config) == str(own)
+    make_checkpoint(out, 400)
+    with pytest.raises(CheckpointError) as refused:
+        resume_request(config)
+    said = str(refused.value)
+    assert said.startswith(f"--resume {own}: {out} holds checkpoint-400, a later step") and "--resume auto" in said
+    config.resume_from_checkpoint = str(started_from)
+    with pytest.raises(CheckpointError, match="holds checkpoint-400"):
+        resume_request(config)  # a first start (or no Slurm): refused too
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert resume_request(config) == "auto"
+    config.resume_from_checkpoint = str(own)
+    with pytest.raises(CheckpointError, match="holds checkpoint-400"):
+        resume_request(config)  # going back inside the directory is never a requeue's doing
+    for word in ("auto", "none"):
+        config.resume_from_checkpoint = word
+        assert resume_request(config) == word

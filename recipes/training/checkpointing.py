@@ -230,6 +230,17 @@ def find_resume_checkpoint(
     return None, notes
 
 
+def newer_than_requested(output_dir: str | Path, requested: Path) -> Path | None:
+    """The newest complete checkpoint of `output_dir` when it is past the step of `requested` (an explicit
+    `--resume PATH`), else None. Continuing from the older one there would mix two trajectories: rotation keeps the
+    higher steps (and deletes the new saves), and `--resume auto` later picks the abandoned run's newest."""
+    if not requested.is_dir() or manifest_problems(requested):
+        return None  # what is wrong with the request itself is said where it is loaded
+    step = read_manifest(requested)["step"]
+    newer = [path for path in checkpoint_dirs(output_dir) if step_of(path) > step and not manifest_problems(path)]
+    return newer[-1] if newer else None
+
+
 def checkpoints_to_delete(
     complete: list[Path], save_total_limit: int | None, protected: Path | None = None
 ) -> list[Path]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -153,12 +154,35 @@ def choose_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
         logger.info("resume: verified %s (%.2f GB) in %.1f s", path.name, size_gb, time.perf_counter() - started)
         return problems
 
-    path, notes = checkpointing.find_resume_checkpoint(config.output_dir, config.resume_from_checkpoint, verify)
+    resume = resume_request(config)
+    path, notes = checkpointing.find_resume_checkpoint(config.output_dir, resume, verify)
     for note in notes:
         logger.warning("resume: %s", note)
     if path is None:
         logger.info("resume: starting from scratch (resume_from_checkpoint=%s)", config.resume_from_checkpoint)
     return path
+
+
+def resume_request(config: PretrainConfig) -> str:
+    """`resume_from_checkpoint`, unless it names a checkpoint older than one output_dir already holds: refused, or,
+    for a Slurm requeue of the job that started from a checkpoint outside output_dir (a requeue repeats the job's
+    arguments), "auto" with a warning."""
+    requested = config.resume_from_checkpoint
+    if requested in ("auto", "none"):
+        return requested
+    newer = checkpointing.newer_than_requested(config.output_dir, Path(requested))
+    if newer is None:
+        return requested
+    outside = Path(requested).resolve().parent != Path(config.output_dir).resolve()
+    if outside and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        logger.warning("resume: this job started from %s and has saved %s since; its requeue continues from that "
+                       "(the job's --resume is repeated at every start)", requested, newer.name)  # fmt: skip
+        return "auto"
+    raise checkpointing.CheckpointError(
+        f"--resume {requested}: {config.output_dir} holds {newer.name}, a later step; continuing from the older one "
+        "would mix two runs (rotation keeps the later steps, and --resume auto picks them). Resume with --resume auto, "
+        "or, to go back, move the later checkpoints out of output_dir first"
+    )
 
 
 def verify_universal(path: Path, accelerator) -> list[str]:
