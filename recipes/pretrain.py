@@ -73,9 +73,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_error(error: Exception) -> int:
-    """A user's mistake: one line on the main process, exit code 2, no traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    """A user's mistake: one line on the main process, exit code 2, no traceback. The first rank of every other node
+    says it too, naming its host: a check that fails on one node only (a missing mount, fewer GPUs) is otherwise
+    said nowhere."""
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if rank == 0:
         print(f"error: {error}", file=sys.stderr)
+    elif local_rank == 0:
+        import socket
+
+        print(f"error: {error} (on {socket.gethostname()}, rank {rank})", file=sys.stderr)
     return 2
 
 

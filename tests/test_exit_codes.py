@@ -308,3 +308,22 @@ def test_cleaning_gives_the_same_numbers_the_other_commands_name():
     from data_prep.quality.cleaning.runner import CleanCrashed, CleanError, OutputFull
 
     assert (CleanError.exit_code, CleanCrashed.exit_code, OutputFull.exit_code) == (BAD_INPUT, RETRY, DISK_FULL)
+
+
+def test_a_bad_input_found_on_another_node_is_said_by_that_nodes_first_rank(monkeypatch, capsys):
+    """A check that fails on one node only (a mount missing there, fewer GPUs) was said by no one: only global rank 0
+    printed, and the log held just the launcher's exit 2. Every node's first rank says it, naming its host."""
+    import socket
+
+    from recipes.config import ConfigError
+    from recipes.pretrain import report_error
+
+    said = {}
+    for rank, local_rank in ((0, 0), (1, 1), (8, 0), (9, 1)):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        assert report_error(ConfigError("train_files: /data/packed/train does not exist")) == 2
+        said[rank] = capsys.readouterr().err
+    assert said[0] == "error: train_files: /data/packed/train does not exist\n"
+    assert said[8] == f"error: train_files: /data/packed/train does not exist (on {socket.gethostname()}, rank 8)\n"
+    assert said[1] == said[9] == ""

@@ -208,3 +208,8 @@ def test_no_module_is_longer_than_a_sitting():
         if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     ]
     assert not long, long
+
+
+def test_the_entry_point_stays_short():
+    """docs/training.md: recipes/pretrain.py, under 100 lines, only wires the run together."""
+    assert len((REPO / "recipes/pretrain.py").read_text().splitlines()) < 100
