@@ -310,20 +310,18 @@ def test_cleaning_gives_the_same_numbers_the_other_commands_name():
     assert (CleanError.exit_code, CleanCrashed.exit_code, OutputFull.exit_code) == (BAD_INPUT, RETRY, DISK_FULL)
 
 
-def test_a_bad_input_found_on_another_node_is_said_by_that_nodes_first_rank(monkeypatch, capsys):
+def test_a_bad_input_found_on_another_node_is_said_by_that_nodes_first_rank(tmp_path):
     """A check that fails on one node only (a mount missing there, fewer GPUs) was said by no one: only global rank 0
     printed, and the log held just the launcher's exit 2. Every node's first rank says it, naming its host."""
     import socket
 
-    from recipes.config import ConfigError
-    from recipes.pretrain import report_error
-
     said = {}
-    for rank, local_rank in ((0, 0), (1, 1), (8, 0), (9, 1)):
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-        assert report_error(ConfigError("train_files: /data/packed/train does not exist")) == 2
-        said[rank] = capsys.readouterr().err
-    assert said[0] == "error: train_files: /data/packed/train does not exist\n"
-    assert said[8] == f"error: train_files: /data/packed/train does not exist (on {socket.gethostname()}, rank 8)\n"
-    assert said[1] == said[9] == ""
+    for rank, local_rank in ((0, 0), (9, 1), (8, 0)):
+        env = {**LAUNCH_ENV, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
+        done = subprocess.run([sys.executable, "recipes/pretrain.py", "--config", str(tmp_path / "missing.yaml")],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        said[rank] = done.stderr
+    assert said[0].startswith("error: ") and said[0].count("\n") == 1 and "missing.yaml" in said[0], said[0]
+    assert said[8] == f"{said[0].rstrip()} (on {socket.gethostname()}, rank 8)\n"
+    assert said[9] == ""

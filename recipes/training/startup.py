@@ -152,6 +152,11 @@ def bf16_emulation_warning(bf16: bool, cuda: bool, native_bf16: bool) -> str | N
     )
 
 
+def log_on_main(accelerator, warnings: list[str]) -> None:
+    for warning in warnings if accelerator.is_main_process else []:
+        logger.warning(warning)
+
+
 def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     """Everything that can be wrong with the inputs, checked before the model costs anything."""
     try:
@@ -172,9 +177,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     benchmarks = benchmark_settings(config)
     if benchmarks:
         # numbers and data directories, before the model costs anything
-        for warning in benchmarks.check(RECIPE_KEYS):
-            if accelerator.is_main_process:
-                logger.warning(warning)
+        log_on_main(accelerator, benchmarks.check(RECIPE_KEYS))  # every rank checks; one says what is partial
         logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
         positions, strict = model_config.max_position_embeddings, config.preflight_strict
         on_main_process(lambda: check_prompt_lengths(benchmarks, tokenizer, positions, strict), catch=(ConfigError,))
