@@ -90,3 +90,10 @@ def directory_problem(path: str | Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"cannot be created or written: this user cannot write {existing} (or it is read-only)"
     return None
+
+
+def under_a_local_directory(name: str) -> bool:
+    """`first/rest` whose `first` is a directory here: a local path (mistyped, or not there yet), even though it is
+    also written like a hub name `org/name`. A hub name's organisation is not a directory in the working directory."""
+    first = name.split("/", 1)[0]
+    return bool(first) and "/" in name and Path(first).expanduser().is_dir()

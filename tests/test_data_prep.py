@@ -125,3 +125,25 @@ def test_a_tokenizer_json_that_truncates_and_pads_cuts_no_document(tmp_path, cor
         for name in ("plain", "truncating")
     ]
     assert shards[0] == shards[1] and np.asarray(shards[0]).shape[1] == 64
+
+
+def test_a_mistyped_local_path_is_not_asked_of_the_hub(tmp_path, monkeypatch):
+    """`--tokenizer outputs/tokenizr` and `train_files: [data/train]` (missing under an existing `data/`) are also
+    written like hub names: the first retried huggingface.co for a minute, the second streamed a hub dataset of that
+    name. Their first part is a directory here, so they are local paths that do not exist: one line, no network."""
+    import socket
+
+    from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer, looks_local
+
+    def no_network(*_, **__):
+        raise AssertionError("the network was reached")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "data").mkdir()
+    with pytest.raises(TokenizerLoadError, match="tokenizer_name_or_path outputs/tokenizr: no such directory"):
+        load_tokenizer("outputs/tokenizr", "tokenizer_name_or_path")
+    with pytest.raises(FileNotFoundError, match="train_files: data/train does not exist"):
+        resolve_sources(["data/train"], "train_files")
+    assert is_hub_dataset_name("HuggingFaceFW/fineweb") and not looks_local("meta-llama/Llama-2-7b-hf")

@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import zstandard
 
+from common.files import under_a_local_directory
+
 TEXT_SUFFIXES = (".txt", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -243,8 +245,9 @@ def iter_texts(path: str | Path, text_field: str = "text", shard: int = 0, num_s
 
 
 def is_hub_dataset_name(source: str) -> bool:
-    """`org/name` with no local file behind it and no file suffix: a Hugging Face hub dataset."""
-    if Path(source).exists():
+    """`org/name` with no local file behind it, no file suffix and no local directory `org`: a Hugging Face hub
+    dataset (`data/train`, a directory missing under an existing `data/`, streamed a hub dataset of that name)."""
+    if Path(source).exists() or under_a_local_directory(source):
         return False
     try:
         file_format(source)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.files import under_a_local_directory
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -13,8 +15,15 @@ class TokenizerLoadError(ValueError):
 
 
 def looks_local(name_or_path: str) -> bool:
-    """A path rather than a hub name: it exists, or it is written like a path (a hub name is `org/name`)."""
-    return Path(name_or_path).exists() or name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") != 1
+    """A path rather than a hub name: it exists, it is written like a path (a hub name is `org/name`), or its first
+    part is a directory here (`outputs/tokenizr`, mistyped, was asked of the hub for a minute, and loaded whatever
+    repository has that name where one does)."""
+    return (
+        Path(name_or_path).exists()
+        or name_or_path.startswith(("/", ".", "~"))
+        or name_or_path.count("/") != 1
+        or under_a_local_directory(name_or_path)
+    )
 
 
 def load_tokenizer(name_or_path: str, what: str):
