@@ -76,6 +76,21 @@ def test_a_byte_order_mark_does_not_cost_the_first_record(tmp_path, corpus):
     assert manifest["num_documents"] == 5 and manifest["skipped"]["malformed_json"] == 0
 
 
+def test_a_run_whose_every_record_is_skipped_is_an_error_not_an_empty_output(tmp_path, corpus, capsys):
+    """`--text-field text` on records that keep their text under `content`: every record skipped as missing_field,
+    and the run exited 0 with a complete, empty output (which a job array's merge took in). Now exit 2, one line
+    naming the reasons and the field, no manifest; a part given no file at all is still a complete, empty part."""
+    source = tmp_path / "code.jsonl"
+    source.write_text("".join(json.dumps({"content": f"def f{i}(): return {i}"}) + "\n" for i in range(5)) + "{cut\n")
+    arguments = ["--tokenizer", str(corpus["tokenizer"]), "--input", str(source), "--seq-len", "16"]
+    assert main([*arguments, "--output", str(tmp_path / "out")]) == 2
+    said = capsys.readouterr().err
+    assert said == ("error: no document: all 6 records read were skipped (missing_field 5, malformed_json 1); is the "
+                    "text under another field than --text-field text? No manifest was written\n")  # fmt: skip
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert main([*arguments, "--output", str(tmp_path / "right"), "--text-field", "content"]) == 0
+
+
 def test_split_text_is_exact_and_cuts_before_whitespace():
     text = "alpha beta " * 100 + "x" * 500
     pieces = split_text(text, 120)

@@ -289,6 +289,8 @@ def _run(out: Path, sources: list[str], settings: dict, tokenizer, strict: bool,
         if change:  # e.g. still being copied: the shards hold part of one version and part of another
             raise PreprocessError(f"--input {source} changed while it was being read ({change}); no manifest was "
                                   "written. Once the file is final, preprocess into a new --output")  # fmt: skip
+    if progress.num_documents == 0 and any(progress.skipped.values()):  # (a part given no file is empty, rightly)
+        raise PreprocessError(no_document_line(progress.skipped, settings["text_field"]))
     manifest = build_manifest(settings, progress, packer, num_workers)
     out.mkdir(parents=True, exist_ok=True)
     write_report(out, manifest, CorpusStats(**progress.stats), settings["inputs"])
@@ -390,6 +392,16 @@ class _Done:
     def result(self):
         empty = np.zeros(0, dtype=np.int64)
         return Tokenized(np.zeros(0, dtype=np.int32), empty, empty, empty, empty, empty.astype(np.uint64), [], 0.0)
+
+
+def no_document_line(skipped: dict[str, int], text_field: str) -> str:
+    """Why a preprocessing that read records kept none of them, and what to check. (It exited 0 with a complete,
+    empty output, which a job array's merge then took in without a word.)"""
+    total = sum(skipped.values())
+    reasons = ", ".join(f"{reason} {count:,}" for reason, count in sorted(skipped.items(), key=lambda kv: -kv[1])
+                        if count)  # fmt: skip
+    hint = f"; is the text under another field than --text-field {text_field}?" if skipped.get("missing_field") else ""
+    return f"no document: all {total:,} records read were skipped ({reasons}){hint} No manifest was written"
 
 
 def build_manifest(settings: dict, progress: Progress, packer: Packer, num_workers: int) -> dict:
