@@ -13,6 +13,7 @@ from data_prep.parts.merge import main as merge_main
 from data_prep.parts.merge import merge
 from data_prep.preprocessing.pipeline import preprocess, select_part
 from data_prep.reading.readers import iter_texts
+from tests.conftest import REPO
 
 SEQ = 64
 
@@ -159,3 +160,22 @@ def test_one_file_named_twice_is_refused_before_any_work(tmp_path, corpus):
         with pytest.raises(PreprocessError, match=r"are the same file \(named twice, through a link, or matched"):
             preprocess(str(corpus["tokenizer"]), [str(n) for n in names], str(tmp_path / "out"), SEQ)
     assert not (tmp_path / "out").exists()
+
+
+def test_parts_made_with_relative_inputs_merge_from_another_directory(tmp_path, corpus, monkeypatch):
+    """Parts made from /data with `--input 'corpus/*.jsonl'` recorded the run's inputs as given, and merge, run from
+    elsewhere, resolved them against its own directory: "read /data/corpus/a.jsonl, which is not among the run's
+    inputs", exit 2. The parts record absolute paths."""
+    texts = list(iter_texts(corpus["train"]))[:40]
+    (tmp_path / "corpus").mkdir()
+    for index in range(2):
+        lines = "".join(json.dumps({"text": t}) + "\n" for t in texts[index::2])
+        (tmp_path / "corpus" / f"{index}.jsonl").write_text(lines)
+    monkeypatch.chdir(tmp_path)
+    for index in range(2):
+        preprocess(str(corpus["tokenizer"]), ["corpus/*.jsonl"], f"part-{index}", SEQ, 1, num_parts=2, part=index,
+                   log=lambda _: None)  # fmt: skip
+    monkeypatch.chdir(REPO)
+    parts = [str(tmp_path / f"part-{index}") for index in range(2)]
+    assert merge_main([*parts, "--output", str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "manifest.json").exists()

@@ -176,6 +176,7 @@ def preprocess(
     except InputError as error:
         raise PreprocessError(str(error)) from None
     split_bytes = [os.path.getsize(source) for source in every_source]  # what the part split sees, recorded
+    every_path = [str(Path(source).resolve()) for source in every_source]  # absolute: merge runs from anywhere
     sources = select_part(every_source, num_parts, part, split_bytes)
     if num_parts > 1:
         log(f"part {part} of {num_parts}: {len(sources)} of {len(every_source)} input files")
@@ -184,7 +185,7 @@ def preprocess(
         "format_version": FORMAT_VERSION,
         "seq_len": seq_len,
         "text_field": text_field,
-        "inputs": [str(Path(source).resolve()) for source in sources],
+        "inputs": [str(Path(source).resolve()) for source in sources],  # absolute: merge runs from any directory
         "input_fingerprints": [fingerprint(source) for source in sources],  # a resume must read the same bytes
         "rows_per_shard": rows_per_shard,
         "max_document_chars": max_document_chars,
@@ -192,7 +193,7 @@ def preprocess(
         "filters": filters.settings(),
         "part": None
         if num_parts == 1
-        else {"index": part, "count": num_parts, "all_inputs": every_source, "split_bytes": split_bytes},  # fmt: skip
+        else {"index": part, "count": num_parts, "all_inputs": every_path, "split_bytes": split_bytes},  # fmt: skip
     }
     out = Path(output)
     lock = _lock(out)
