@@ -45,7 +45,7 @@ demo: install
 		--output $(DEMO)/packed --seq-len 128 --num-workers 2 --dedup \
 		--decontaminate-mmlu-dir $(DEMO)/eval_data/mmlu_release --decontaminate-gsm8k-dir $(DEMO)/eval_data/gsm8k_release
 	$(BIN)/python -m recipes.launch --config_file accelerate_configs/zero3_cpu.yaml recipes/pretrain.py \
-		--config recipes/configs/tiny_cpu.yaml --output_dir $(DEMO)/run --bf16 $(DEMO_BF16)
+		--config recipes/configs/tiny_cpu.yaml --output_dir $(DEMO)/run --bf16 $(DEMO_BF16) --train_files $(DEMO)/packed
 	$(BIN)/python -m recipes.summarize $(DEMO)/run
 
 lint: install

@@ -141,6 +141,12 @@ def test_the_docs_figures_of_the_70b_plans_are_the_planners():
     assert f"every ~{days_per_1000_steps:.1f} days" in run_safety
     node_failure = " ".join((REPO / "docs/node-failure.md").read_text().split())
     assert f"~{days_per_1000_steps:.1f} days as planned" in node_failure
+    readme = " ".join((REPO / "README.md").read_text().replace("#", " ").split())
+    assert f"~{days_per_1000_steps:.1f} days at the plan's ~{offload.step_time_s:.0f} s per step" in readme
+    smoke_flags = ["--max_steps", "50", "--save_steps", "25", "--eval_steps", "25", "--eval_limit", "16"]
+    assert " ".join(smoke_flags) in readme, "the smoke run's command"
+    smoke = plan_for(RECIPE_8, overrides=smoke_flags)[1]
+    assert f"These 50 steps: ~{smoke.step_time_s * 50 / 3600:.1f} h, plus ~{smoke.eval_seconds / 60:.0f} min" in readme
     one_node = plan_for(RECIPE_16, gpus=8, nodes=1)[1]
     assert f"it fits ({one_node.per_gpu_memory_gb['total']:.1f} GB per GPU" in node_failure
 

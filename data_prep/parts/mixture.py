@@ -99,7 +99,8 @@ class MixedRows(Dataset):
         if not 0 <= index < self._length:
             raise IndexError(f"sample {index} of {self._length}")
         source, within = self.blend.locate(index)
-        return self.sources[source][within % self.rows[source]]
+        epoch, row = divmod(within, self.rows[source])
+        return self.sources[source].at(row, epoch)
 
     def drawn(self, samples: int) -> list[int]:
         """Rows drawn from each source among the first `samples` samples (epochs included)."""

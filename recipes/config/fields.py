@@ -97,6 +97,19 @@ class PretrainConfig:
         default="text", metadata={"help": "Field holding the document text in jsonl and parquet files."}
     )
     seed: int = field(default=42, metadata={"help": "Seed for model init and every rank's RNG."})
+    shuffle_train_rows: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "Train a preprocessed directory's rows (each mixture source's) in a pseudo-random order, another each "
+                "epoch, rather than in corpus order (which is the input files' order: one source after another). "
+                "Raw-text train_files are always read in file order."
+            )
+        },
+    )
+    data_seed: int | None = field(
+        default=None, metadata={"help": "Seed of the row order (shuffle_train_rows); null uses `seed`."}
+    )
 
     max_seq_length: int = field(
         default=2048,
@@ -375,6 +388,10 @@ class PretrainConfig:
 
     def micro_tokens(self) -> int:
         return self.per_device_train_batch_size * self.max_seq_length
+
+    @property
+    def resolved_data_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed
 
     def resolved_global_batch_size(self, world_size: int) -> int:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size

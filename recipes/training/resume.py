@@ -36,7 +36,10 @@ RUN_DEFINING = {
     "tokenizer_sha256": "tokenizer_name_or_path (the tokenizer's content)",
     "train_data": "train_files / train_mixture (the data's identity)",
     "text_field": "text_field",
+    "train_order": "shuffle_train_rows / data_seed (the order the rows are trained in)",
 }
+# What checkpoints from before the order was recorded trained in (and raw text always is)
+CORPUS_ORDER = {"shuffled": False}
 
 
 def data_identity(train_files: list[str]) -> list[dict[str, Any]]:
@@ -82,7 +85,18 @@ def run_identity(config: PretrainConfig, model_config, tokenizer, world_size: in
         "tokenizer_sha256": tokenizer_identity(tokenizer, config.tokenizer_name_or_path)["sha256"],
         "train_data": data_identity(config.train_files) if config.train_mixture is None else mixture_identity(config),
         "text_field": config.text_field,
+        "train_order": train_order(config),
     }
+
+
+def train_order(config: PretrainConfig) -> dict[str, Any]:
+    """How the rows are ordered: shuffled with its seed (preprocessed data), or corpus order."""
+    preprocessed = config.train_mixture is not None or (
+        len(config.train_files or []) == 1 and is_preprocessed(config.train_files[0])
+    )
+    if preprocessed and config.shuffle_train_rows:
+        return {"shuffled": True, "data_seed": config.resolved_data_seed}
+    return CORPUS_ORDER
 
 
 def run_files(config: PretrainConfig, identity: dict[str, Any]) -> dict[str, str]:
@@ -102,12 +116,14 @@ def saved_identity(path: Path, tokenizer) -> dict[str, Any]:
 
     saved = config_from_dict(yaml.safe_load((path / checkpointing.RESOLVED_CONFIG).read_text()), str(path))
     world = checkpointing.read_manifest(path)["world_size"]
-    return run_identity(saved, llama_config(saved, len(tokenizer)), tokenizer, world)
+    return {**run_identity(saved, llama_config(saved, len(tokenizer)), tokenizer, world), "train_order": CORPUS_ORDER}
 
 
 def identity_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Each differing value, named (`model_shape.num_hidden_layers: 4 -> 2`). Mixture weights are compared as the
     shares they blend to ([7, 3] is [0.7, 0.3]), and a mixture is shown whole."""
+    saved = {"train_order": CORPUS_ORDER, **saved}  # checkpoints from before the order was recorded
+    current = {"train_order": CORPUS_ORDER, **current}
     saved, current = as_shares(saved), as_shares(_comparable(saved, current))
     changes = []
     for key, meaning in RUN_DEFINING.items():

@@ -53,7 +53,9 @@ def open_train_source(config: PretrainConfig, tokenizer, world: int) -> PackedRo
     if len(config.train_files) == 1 and is_preprocessed(config.train_files[0]):
         rows = PackedRows(config.train_files[0])
         rows.check_matches(tokenizer, config.tokenizer_name_or_path, config.max_seq_length)
-        logger.info("train data: %s, %d preprocessed rows", config.train_files[0], len(rows))
+        if config.shuffle_train_rows:
+            rows.shuffle(config.resolved_data_seed)
+        logger.info("train data: %s, %d preprocessed rows, %s", config.train_files[0], len(rows), order_line(config))
         return rows
     for entry in config.train_files:
         if Path(entry).is_dir():
@@ -82,7 +84,7 @@ def open_mixture(config: PretrainConfig, tokenizer, world: int) -> MixedRows:
         by_content[content] = index
         rows = PackedRows(entry["path"])
         rows.check_matches(tokenizer, config.tokenizer_name_or_path, config.max_seq_length, f"train_mixture[{index}]")
-        sources.append(rows)
+        sources.append(rows.shuffle(config.resolved_data_seed + index) if config.shuffle_train_rows else rows)
     global_batch = config.resolved_global_batch_size(world)
     samples_wanted = config.total_steps(world) * global_batch
     weights = [entry["weight"] for entry in config.train_mixture]
@@ -93,12 +95,19 @@ def open_mixture(config: PretrainConfig, tokenizer, world: int) -> MixedRows:
             "train mixture: %s, weight %g: %d rows, %d drawn over the run (%.2f epochs)",
             entry["path"], entry["weight"], len(rows), count, count / len(rows),
         )  # fmt: skip
+    logger.info("train mixture: each source's rows %s", order_line(config))
     if len(mixture) < samples_wanted:
         logger.warning(
             "train mixture: a source runs out after %d samples (step %d of %d): mixture_exhausted: stop ends the run "
             "there", len(mixture), len(mixture) // global_batch, config.total_steps(world),
         )  # fmt: skip
     return mixture
+
+
+def order_line(config: PretrainConfig) -> str:
+    if config.shuffle_train_rows:
+        return f"trained in a shuffled order (data_seed {config.resolved_data_seed}, another each epoch)"
+    return "trained in corpus order (shuffle_train_rows: false)"
 
 
 def passes_line(steps_per_epoch: int | None, num_epochs: int, total_steps: int, lr_at_end: float) -> tuple[int, str]:
@@ -193,6 +202,9 @@ class TrainData:
                 len(source), readers, self.sharding,
                 "" if self.sharding == "file" else ": every reader reads every file and keeps its own records",
             )  # fmt: skip
+            if config.shuffle_train_rows:
+                logger.info("train data: raw text is trained in file order (shuffle_train_rows applies to "
+                            "preprocessed directories: python -m data_prep.preprocess)")  # fmt: skip
         self.num_workers = config.dataloader_num_workers
         self.num_epochs = config.num_train_epochs
         self.loader = build_loader(source, config, tokenizer, rank, world)
@@ -209,7 +221,14 @@ class TrainData:
         self._ahead: tuple[list[torch.Tensor] | None, tuple[int, int]] | None = None
         # Started now, before the model is built: creating the iterator draws the workers' base seed from
         # torch's generator, so when it happens is part of what makes two runs identical.
-        self._iterator = iter(self.loader)
+        self._iterator = self._epoch_iterator(0)
+
+    def _epoch_iterator(self, epoch: int):
+        """The loader's iterator over `epoch`: a shuffled directory draws that epoch's permutation. (Set before the
+        iterator forks its workers, which copy the dataset then: the loader must not keep persistent workers.)"""
+        if isinstance(self.loader.dataset, PackedRows):
+            self.loader.dataset.epoch = epoch
+        return iter(self.loader)
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -252,7 +271,7 @@ class TrainData:
                 if epoch + 1 >= self.num_epochs:
                     return None, self._read_at
                 epoch, rows = epoch + 1, 0
-                self._iterator = iter(self.loader)
+                self._iterator = self._epoch_iterator(epoch)
                 continue
             rows += len(batch)
             batches.append(batch)
@@ -324,7 +343,7 @@ class TrainData:
             raise DataPositionError(f"data position {rows_consumed} is not a whole number of micro-batches")
         self.epoch = epoch
         sampler.start_micro_batch = rows_consumed // sampler.micro
-        self._iterator = iter(self.loader)
+        self._iterator = self._epoch_iterator(epoch)
         sampler.start_micro_batch = 0  # the next epoch starts at its beginning
         self.rows_consumed = rows_consumed
         self._read_at, self._ahead = (epoch, rows_consumed), None
@@ -333,7 +352,7 @@ class TrainData:
         """A raw-text stream is deterministic: reading past the consumed rows reproduces the exact next batch,
         at a cost that grows with the position."""
         self.epoch, self.rows_consumed = epoch, 0
-        self._iterator = iter(self.loader)
+        self._iterator = self._epoch_iterator(epoch)
         while self.rows_consumed < rows_consumed:
             try:
                 self.rows_consumed += len(next(self._iterator)["input_ids"])
