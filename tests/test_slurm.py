@@ -5,6 +5,7 @@ srun/scontrol test checks the argument forwarding of both scripts on any machine
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -200,6 +201,70 @@ def test_the_scripts_forward_every_argument_intact(tmp_path):
         assert argv[argv.index("--num_machines") + 1] == str(used)
         assert argv[argv.index("--num_processes") + 1] == str(8 * used), "8 processes on each node it uses"
     assert "#SBATCH --nodes=1-2" in script.read_text() and "#SBATCH --spread-job" in script.read_text()
+
+
+@pytest.mark.parametrize(("code", "requeued"), [(0, False), (1, True), (2, False), (3, False), (4, False), (5, True)])
+def test_a_hang_or_a_stalled_data_source_is_requeued_and_a_bad_input_never_is(tmp_path, code, requeued):
+    """Slurm's --requeue covers preemption and node failure, not exit codes: the docs promised a requeue after the hang
+    watchdog's exit 1 that nothing did. The script requeues after 1 and 5 (at most PRETRAIN_FAILURE_REQUEUES times
+    a job), never after 2-4, and exits with the ranks' code. With a fake srun, scontrol and python on PATH."""
+    bin_dir, job = tmp_path / "bin", f"test{os.getpid()}{code}"
+    bin_dir.mkdir()
+    fakes = {
+        "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n',
+        "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show hostnames" ]; then echo n1; elif [ "$1" = requeue ]; '
+        f'then echo "$2" >> {tmp_path}/requeued; else echo "NodeName=n1 NodeAddr=10.1.2.3 State=IDLE"; fi\n',
+        "python": f'#!/usr/bin/env bash\n[ "$2" = recipes.nodes ] && exec {sys.executable} "$@"\nexit {code}\n',
+    }  # fmt: skip
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": job,
+           "SLURM_JOB_NUM_NODES": "1", "PRETRAIN_FAILURE_REQUEUES": "2"}  # fmt: skip
+    counter = REPO / "logs" / f".failure-requeues-{job}"
+    try:
+        runs = [subprocess.run(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env, capture_output=True,
+                               text=True, timeout=60) for _ in range(3)]  # fmt: skip
+    finally:
+        counter.unlink(missing_ok=True)
+    assert [run.returncode for run in runs] == [code] * 3
+    said = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
+    assert said == ([job, job] if requeued else []), "requeued after a hang or a stall, twice at most"
+    if requeued:
+        assert "failure 1 of 2" in runs[0].stdout and "failure 2 of 2" in runs[1].stdout
+        assert f"not requeued: job {job} was requeued after 2 failure(s) already" in runs[2].stdout
+
+
+@pytest.mark.parametrize(("code", "requeued"), [(0, True), (2, False), (4, False)])
+def test_the_time_limits_signal_requeues_a_saved_run_only(tmp_path, code, requeued):
+    """USR1 ten minutes before the time limit: the script waits for the ranks and requeued the job whatever they
+    exited with (a bad input found then came back every start). Now only a clean save (0) is requeued."""
+    bin_dir, job = tmp_path / "bin", f"test{os.getpid()}usr1{code}"
+    bin_dir.mkdir()
+    fakes = {
+        "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n',
+        "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show hostnames" ]; then echo n1; elif [ "$1" = requeue ]; '
+        f'then echo "$2" >> {tmp_path}/requeued; else echo "NodeName=n1 NodeAddr=10.1.2.3 State=IDLE"; fi\n',
+        "python": f'#!/usr/bin/env bash\n[ "$2" = recipes.nodes ] && exec {sys.executable} "$@"\n'
+        f"touch {tmp_path}/started; sleep 3; exit {code}\n",
+    }  # fmt: skip
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": job,
+           "SLURM_JOB_NUM_NODES": "1"}  # fmt: skip
+    script = subprocess.Popen(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 30
+    while not (tmp_path / "started").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    script.send_signal(signal.SIGUSR1)
+    out, _ = script.communicate(timeout=60)
+    assert "time limit near: asking every rank to save" in out
+    said = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
+    assert said == ([job] if requeued else []), out
+    if not requeued:
+        assert f"exit {code}: not requeued" in out
 
 
 @pytest.mark.slurm

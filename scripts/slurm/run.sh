@@ -40,10 +40,30 @@ save_and_requeue() {
       tr "\0" "\n" < "/proc/$pid/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$2" && kill -USR1 "$pid"
     done
   ' signal "$RANK_PATTERN" "$SLURM_JOB_ID" || true
-  wait "$training_pid" || true
-  scontrol requeue "$SLURM_JOB_ID"
+  local code=0
+  wait "$training_pid" || code=$?
+  case $code in
+    0) scontrol requeue "$SLURM_JOB_ID" ;;  # saved and stopped (a run that finished meanwhile exports once more)
+    1|5) requeue_after_failure "$code" ;;
+    *) echo "$(date -Is) exit $code: not requeued (2 bad input, 3 training fault, 4 failed save: docs/run-safety.md)" ;;
+  esac
 }
 trap save_and_requeue USR1
+
+# Slurm's --requeue covers preemption and node failure, not exit codes. A hang ended by the watchdog (1) or a stalled
+# data source (5) is worth another start; at most PRETRAIN_FAILURE_REQUEUES of them per job (default 3, counted in
+# logs/), then the job ends failed for a person to look at. 2-4 fail the same way every time: never requeued.
+requeue_after_failure() {
+  local count_file="logs/.failure-requeues-${SLURM_JOB_ID}" count limit=${PRETRAIN_FAILURE_REQUEUES:-3}
+  count=$(cat "$count_file" 2>/dev/null || echo 0)
+  if (( count >= limit )); then
+    echo "$(date -Is) exit $1: not requeued: job $SLURM_JOB_ID was requeued after $count failure(s) already"
+    return
+  fi
+  echo $((count + 1)) > "$count_file"
+  echo "$(date -Is) exit $1 (1 a hang, 5 a stalled data source): requeueing job $SLURM_JOB_ID, failure $((count + 1)) of $limit"
+  scontrol requeue "$SLURM_JOB_ID"
+}
 
 # The recipe's overrides reach pretrain.py word for word ("$@", not $* inside a string: `--lr_scheduler_kwargs
 # '{min_lr: 0}'` stays one argument). SLURM_NODEID is expanded by each node's task, hence the single quotes.
@@ -55,4 +75,7 @@ srun --kill-on-bad-exit=1 --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nod
     --metrics_host 0.0.0.0 "${@:7}"
 ' run.sh "$accelerate_config" "$head_ip" "$port" "$recipe" "$nodes" "$((nodes * per_node))" "$@" &
 training_pid=$!
-wait "$training_pid"
+code=0
+wait "$training_pid" || code=$?
+case $code in 1|5) requeue_after_failure "$code" ;; esac
+exit "$code"
