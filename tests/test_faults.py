@@ -80,3 +80,22 @@ def test_a_save_that_fails_for_lack_of_space_keeps_the_previous_checkpoint(tmp_p
     assert not (output_dir / "checkpoint-4").exists() and not list(output_dir.glob(".checkpoint-*.tmp"))
     assert (output_dir / "latest").read_text().strip() == "checkpoint-2"
     assert manifest_problems(output_dir / "checkpoint-2") == [] and verify_checksums(output_dir / "checkpoint-2") == []
+
+
+def test_fp16_overflows_are_the_loss_scalers_and_a_non_finite_norm_elsewhere_is_a_fault(caplog):
+    """fp16's dynamic loss scaling overflows by design (early in training, and after each doubling of the scale):
+    DeepSpeed skips that update and lowers the scale, but the loop raised a training fault at the first one, so every
+    fp16 run stopped (exit 3) within hours. Now an overflow is logged, and only a run of FP16_OVERFLOWS_IN_A_ROW is a
+    fault; in bf16 or fp32 the first non-finite gradient norm still is."""
+    from recipes.training.run_state import TrainingFault
+    from recipes.training.trainer import FP16_OVERFLOWS_IN_A_ROW, loss_scale_overflows
+
+    assert loss_scale_overflows(False, True, 0, 7, None) == 1
+    assert "step 7: fp16 loss-scale overflow, the update was skipped" in caplog.text
+    assert loss_scale_overflows(True, True, 5, 8, None) == 0, "a finite step ends the streak"
+    assert loss_scale_overflows(False, True, FP16_OVERFLOWS_IN_A_ROW - 2, 9, None) == FP16_OVERFLOWS_IN_A_ROW - 1
+    with pytest.raises(TrainingFault, match=f"at step 9 \\({FP16_OVERFLOWS_IN_A_ROW} fp16 overflows in a row\\)"):
+        loss_scale_overflows(False, True, FP16_OVERFLOWS_IN_A_ROW - 1, 9, "checkpoint-4")
+    with pytest.raises(TrainingFault, match="non-finite gradient norm at step 3: stopping without saving. Last good "
+                                            "checkpoint: checkpoint-2"):  # fmt: skip
+        loss_scale_overflows(False, False, 0, 3, "checkpoint-2")

@@ -56,6 +56,7 @@ class Trainer:
         self.tokens_per_step = config.resolved_global_batch_size(world) * config.max_seq_length
         self.window = StepWindow(accelerator.device)
         self.data_ends = False  # the data has no step after this one (agreed by every rank)
+        self.overflows = 0  # fp16 loss-scale overflows in a row (each a step DeepSpeed skipped)
         self._launch: tuple[float, float] | None = None  # (perf_counter at the launch's start, wall seconds before it)
 
     def begin_launch(self, started: float) -> None:
@@ -147,13 +148,11 @@ class Trainer:
         self.state.num_tokens += self.tokens_per_step
         self.window.seconds += time.perf_counter() - started
         grad_norm = self.model.get_global_grad_norm()
-        if grad_norm is not None and not math.isfinite(float(grad_norm)):
-            # The same norm on every rank, so every rank raises here. DeepSpeed skips such an update in
-            # its overflow check, but a run whose gradients blew up needs a person, not another step.
-            raise TrainingFault(
-                f"non-finite gradient norm at step {self.state.step}: stopping without saving. "
-                f"Last good checkpoint: {self.checkpointer.last or 'none'}"
-            )
+        finite = grad_norm is None or math.isfinite(float(grad_norm))
+        # The same norm on every rank, so every rank decides alike. DeepSpeed skips such an update in its overflow
+        # check; in bf16 or fp32 a run whose gradients blew up needs a person, not another step.
+        self.overflows = loss_scale_overflows(finite, self.config.fp16, self.overflows, self.state.step,
+                                              self.checkpointer.last)  # fmt: skip
         return StepResult(losses=losses, lr=lr)
 
     def lr_for(self, step: int) -> float:
@@ -203,6 +202,27 @@ class Trainer:
                 f"non-finite loss at step {self.state.step + 1} on rank(s) {bad_ranks}; the optimizer did not step. "
                 f"Last good checkpoint: {self.checkpointer.last or 'none'}"
             )
+
+
+# fp16's dynamic loss scale starts at 2^16 and halves at each overflow: 32 in a row took it below 2^-16, which no
+# healthy run needs (an overflow is by design at the start and after each doubling of the scale)
+FP16_OVERFLOWS_IN_A_ROW = 32
+
+
+def loss_scale_overflows(finite: bool, fp16: bool, overflows: int, step: int, last_checkpoint) -> int:
+    """fp16 overflows in a row after this step (0 when its gradients were finite). A non-finite gradient norm is a
+    training fault (TrainingFault, exit 3) in bf16 or fp32, and in fp16 once it has repeated past
+    FP16_OVERFLOWS_IN_A_ROW steps; below that it is the loss scaler's business (DeepSpeed skipped the update and
+    lowered the scale), logged."""
+    if finite:
+        return 0
+    if fp16 and overflows + 1 < FP16_OVERFLOWS_IN_A_ROW:
+        logger.warning("step %d: fp16 loss-scale overflow, the update was skipped and the scale lowered (%d in a row)",
+                       step, overflows + 1)  # fmt: skip
+        return overflows + 1
+    why = f" ({overflows + 1} fp16 overflows in a row)" if fp16 else ""
+    raise TrainingFault(f"non-finite gradient norm at step {step}{why}: stopping without saving. Last good "
+                        f"checkpoint: {last_checkpoint or 'none'}")  # fmt: skip
 
 
 def metrics_writer(config: PretrainConfig, accelerator, planned_tokens_per_s: float | None = None) -> MetricsWriter:
