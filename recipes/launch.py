@@ -78,6 +78,7 @@ class LauncherTracebackFilter:
         self.partial = b""  # the start of a line that may be a traceback's first
         self.at_line_start = True
         self.dropped = False
+        self.swallowed: list[bytes] = []  # torchrun's block (its table names the ranks a signal killed)
 
     def feed(self, chunk: bytes) -> bytes:
         data, self.partial = self.partial + chunk, b""
@@ -85,6 +86,8 @@ class LauncherTracebackFilter:
         *complete, last = data.split(b"\n")  # not splitlines: a progress bar's \r does not end a line
         for line in [piece + b"\n" for piece in complete] + ([last] if last else []):
             if self.swallowing:
+                if len(self.swallowed) < 2000:
+                    self.swallowed.append(line)
                 continue
             if not line.endswith(b"\n"):  # the output's last, partial line
                 if self.held or (self.at_line_start and TRACEBACK.startswith(line)):
@@ -113,6 +116,30 @@ class LauncherTracebackFilter:
         rest = b"" if self.swallowing else b"".join(self.held) + self.partial
         self.held, self.partial = [], b""
         return rest
+
+
+KILLED_RANK = re.compile(rb"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*-(\d+)")
+
+
+def killed_ranks(torchrun_block: bytes) -> dict[int, str]:
+    """The ranks torchrun's failure table says a signal ended (exitcode -N), by global rank: what a rank that the
+    kernel's out-of-memory killer took (SIGKILL) leaves, since it records no code of its own."""
+    killed = {}
+    for rank, number in KILLED_RANK.findall(torchrun_block):
+        try:
+            name = signal.Signals(int(number)).name
+        except ValueError:
+            name = f"signal {int(number)}"
+        killed[int(rank)] = name
+    return killed
+
+
+def ranks_said(rank_codes: dict[int, int], killed: dict[int, str]) -> str:
+    """The ranks' codes, and the ranks a signal killed, for the launch's last line."""
+    said = {rank: str(code) for rank, code in rank_codes.items()}
+    for rank, name in killed.items():
+        said.setdefault(rank, f"killed by {name}" + (" (out of memory? see dmesg)" if name == "SIGKILL" else ""))
+    return ", ".join(f"rank {rank}: {value}" for rank, value in sorted(said.items())) or "none recorded"
 
 
 def local_ranks_of(argv: list[str]) -> int | None:
@@ -195,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_codes = read_exit_codes(Path(codes_dir))
     code = run_exit_code(rank_codes, local_ranks_of(argv), launcher_code)
     if code or stderr.dropped:
-        ranks = ", ".join(f"rank {rank}: {value}" for rank, value in sorted(rank_codes.items())) or "none recorded"
+        ranks = ranks_said(rank_codes, killed_ranks(b"".join(stderr.swallowed)))
         print(f"launch: exit {code} ({MEANING.get(code, 'see the log above')}); the ranks' codes: {ranks}",
               file=sys.stderr)  # fmt: skip
     return code

@@ -36,6 +36,32 @@ def test_only_torchruns_own_traceback_is_left_out(chunk):
     assert plain.feed(rank_traceback) + plain.close() == rank_traceback and not plain.dropped
 
 
+def test_a_rank_killed_by_a_signal_is_named_in_the_last_line():
+    """The kernel's out-of-memory killer SIGKILLs a rank (host memory is a classic 70B failure with the optimizer
+    offloaded): the only evidence was torchrun's table, which the wrapper leaves out, so the log said "none
+    recorded". The table's killed ranks are kept for the last line."""
+    from recipes.launch import killed_ranks, ranks_said
+
+    block = (
+        b'Traceback (most recent call last):\n  File "/venv/accelerate/commands/launch.py", line 9, in <module>\n'
+        b"    main()\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        b"============================\nrecipes/pretrain.py FAILED\n----------------------------\n"
+        b"Failures:\n[1]:\n  time      : 2026-12-06_08:00:00\n  host      : n2\n  rank      : 9 (local_rank: 1)\n"
+        b"  exitcode  : -15 (pid: 14) SIGTERM\n  error_file: <N/A>\n"
+        b"  traceback : Signal 15 (SIGTERM) received by PID 14\n"
+        b"----------------------------\nRoot Cause (first observed failure):\n[0]:\n  time      : 2026-12-06_08:00:00\n"
+        b"  host      : n2\n  rank      : 8 (local_rank: 0)\n  exitcode  : -9 (pid: 13) SIGKILL\n"
+        b"  error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID 13\n============================\n"
+    )  # fmt: skip
+    lines = LauncherTracebackFilter()
+    assert lines.feed(b"step 10 loss 2.3\n" + block) + lines.close() == b"step 10 loss 2.3\n"
+    killed = killed_ranks(b"".join(lines.swallowed))
+    assert killed == {8: "SIGKILL", 9: "SIGTERM"}
+    assert ranks_said({0: 1}, killed) == ("rank 0: 1, rank 8: killed by SIGKILL (out of memory? see dmesg), "
+                                          "rank 9: killed by SIGTERM")  # fmt: skip
+    assert ranks_said({}, {}) == "none recorded" and killed_ranks(TORCHRUN_SUMMARY) == {}
+
+
 def test_the_runs_code_is_the_ranks(tmp_path):
     assert run_exit_code({0: 0, 1: 0}, 2, 1) == 0  # saved and stopped: torchrun may still say 1 or 143
     assert run_exit_code({1: 0}, 1, -15) == 0, "one node's rank saved; Slurm then SIGTERMed its launcher"
