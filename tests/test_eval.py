@@ -490,7 +490,8 @@ def test_a_launch_that_ended_during_the_benchmarks_skips_them_once_at_that_step(
     trainer = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=True, num_processes=1),
                               state=SimpleNamespace(step=4),
                               signals=SimpleNamespace(received=None), due=lambda every: True, is_last_step=False,
-                              metrics=SimpleNamespace(write=lambda step, scores: calls.append(("scores", step))),
+                              metrics=SimpleNamespace(write=lambda step, scores: calls.append(("scores", step)),
+                                                      live=lambda values: calls.append(values)),
                               model=None)  # fmt: skip
     first = Benchmarks(settings, None, tmp_path, eval_steps=4, every=1)
     first.on_train_start(trainer)
@@ -503,7 +504,9 @@ def test_a_launch_that_ended_during_the_benchmarks_skips_them_once_at_that_step(
     relaunch.on_step_end(trainer, None, None)  # step 4 again: skipped
     trainer.state.step = 8
     relaunch.on_step_end(trainer, None, None)  # the next ones run
-    assert calls == [4, 8, ("scores", 8)]
+    running, stopped = {"benchmarks_running": 1}, {"benchmarks_running": 0}
+    assert calls == [running, 4, stopped, running, 8, stopped, ("scores", 8)], "the endpoint says when they run"
+    del calls[:]
     assert not (tmp_path / Benchmarks.RUNNING_MARKER).exists()
     fresh = Benchmarks(settings, None, tmp_path, eval_steps=4, every=1)
     fresh.on_train_start(trainer)
@@ -519,4 +522,4 @@ def test_a_launch_that_ended_during_the_benchmarks_skips_them_once_at_that_step(
     monkeypatch.setattr(recipes.training.callbacks, "atomic_write_text", full_disk)
     trainer.state.step = 12
     fresh.on_step_end(trainer, None, None)
-    assert calls[-2:] == [12, ("scores", 12)]
+    assert calls[-3:] == [12, stopped, ("scores", 12)]

@@ -160,3 +160,35 @@ def test_the_alerts_tell_a_finished_run_from_a_dead_one(tmp_path):
     tested = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts_test.yml")], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
     assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+
+
+def test_hours_of_benchmarks_without_a_step_are_not_a_stuck_run(tmp_path):
+    """At 70B a full MMLU + GSM8K evaluation takes ~3.9 h with no optimizer step: PretrainNoOptimizerStep paged at
+    every evaluation. The endpoint says when benchmarks run; a run with no step and no benchmarks still pages. Evaluated
+    by promtool's rule tests."""
+    import shutil
+    import subprocess
+
+    import yaml
+
+    from tests.conftest import REPO
+
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool not installed; .ci/run installs Debian's prometheus")
+    series = []
+    for instance, running in (("evaluating", "0x60 1x240 0x60"), ("stuck", "0x360")):
+        series.append({"series": f'pretrain_step{{job="pretrain", instance="{instance}"}}', "values": "1000x360"})
+        series.append({"series": f'pretrain_benchmarks_running{{job="pretrain", instance="{instance}"}}',
+                       "values": running})  # fmt: skip
+    stuck = {"exp_labels": {"severity": "page", "job": "pretrain", "instance": "stuck"},
+             "exp_annotations": {"summary": "no optimizer step on stuck for two hours",
+                                 "description": "The run logged no new step for 2 h: look at its log for the "
+                                                "watchdog's stacks or a requeue loop."}}  # fmt: skip
+    checks = [{"eval_time": f"{minutes}m", "alertname": "PretrainNoOptimizerStep", "exp_alerts": [stuck]}
+              for minutes in (180, 290)]  # fmt: skip
+    unit = {"rule_files": [str(REPO / "monitoring/alerts.yml")], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": checks}]}  # fmt: skip
+    (tmp_path / "alerts_test.yml").write_text(yaml.safe_dump(unit))
+    tested = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts_test.yml")], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr

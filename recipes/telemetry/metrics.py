@@ -71,6 +71,11 @@ class MetricsWriter:
             if numbers:
                 self.trackers.log(numbers, step=step)
 
+    def live(self, values: dict[str, Any]) -> None:
+        """Values for the Prometheus endpoint only, not for metrics.jsonl (a state, such as benchmarks running)."""
+        if self.prometheus is not None:
+            self.prometheus.update(values)
+
     def truncate(self, after_step: int) -> None:
         """Drop the records past `after_step` (a resumed or rolled-back run logs those steps again)."""
         if self.enabled:

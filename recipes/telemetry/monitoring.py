@@ -38,6 +38,8 @@ RUN_SERIES = {
     "last_checkpoint_step": Series("last_checkpoint_step", "gauge", "step of the newest complete checkpoint"),
     "planned_tokens_per_s": Series("planned_tokens_per_second", "gauge", "tokens/s the planner expects of this launch"),
     "world_size": Series("world_size", "gauge", "processes (ranks) of this launch; an elastic run changes it"),
+    # set around the in-loop benchmarks (hours at 70B, no optimizer step meanwhile: monitoring/alerts.yml reads it)
+    "benchmarks_running": Series("benchmarks_running", "gauge", "1 while the in-loop benchmarks run, else 0"),
     # -1 while the run lives; its rank exit code once it ends (0: finished, or saved and stopped by a signal), served
     # for `metrics_linger_s` more so that Prometheus scrapes it: an endpoint that went down after 0 is a run that
     # ended, one that went down at -1 is a run that died (monitoring/alerts.yml tells them apart with it).

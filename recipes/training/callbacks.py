@@ -208,8 +208,12 @@ class Benchmarks(Callback):
                 logger.warning("step %d: %s not written (%s): should these benchmarks end the launch, the next one "
                                "runs them again", step, marker, error)  # fmt: skip
         signalled = lambda: trainer.signals.received is not None  # noqa: E731
-        scores = run_benchmarks(trainer.model, trainer.accelerator, self.tokenizer, self.settings, step,
-                                self.output_dir, stop_requested=signalled)  # fmt: skip
+        trainer.metrics.live({"benchmarks_running": 1})  # hours without a step: not a stuck run (alerts.yml)
+        try:
+            scores = run_benchmarks(trainer.model, trainer.accelerator, self.tokenizer, self.settings, step,
+                                    self.output_dir, stop_requested=signalled)  # fmt: skip
+        finally:
+            trainer.metrics.live({"benchmarks_running": 0})
         if trainer.accelerator.is_main_process:
             marker.unlink(missing_ok=True)
         if scores:

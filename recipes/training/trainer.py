@@ -239,6 +239,7 @@ def metrics_writer(config: PretrainConfig, accelerator, planned_tokens_per_s: fl
         node = accelerator.process_index // per_node
         ranks = list(range(node * per_node, (node + 1) * per_node))
         exporter = PrometheusExporter(config.prometheus_port, node, ranks, host=config.metrics_host)
+        exporter.update({"benchmarks_running": 0})
         if planned_tokens_per_s:  # what the throughput alert compares with (monitoring/alerts.yml)
             exporter.update({"planned_tokens_per_s": planned_tokens_per_s})
     uses_trackers = accelerator.is_main_process and bool(accelerator.trackers)
