@@ -523,3 +523,30 @@ def test_a_launch_that_ended_during_the_benchmarks_skips_them_once_at_that_step(
     trainer.state.step = 12
     fresh.on_step_end(trainer, None, None)
     assert calls[-3:] == [12, stopped, ("scores", 12)]
+
+
+@pytest.mark.parametrize(
+    ("names", "refused"),
+    [
+        (["test-00000-of-00002.parquet"], True),  # the second shard never arrived
+        (["test-00000-of-00001.parquet", "test-00000-of-00001 (1).parquet"], True),  # a second download beside it
+        (["test-00000-of-00001.parquet", "test-00000-of-00002.parquet", "test-00001-of-00002.parquet"], True),
+        (["test-00000-of-00002.parquet", "test-00001-of-00002.parquet"], False),
+        (["test-0.parquet"], False),  # named otherwise: read as it is
+    ],
+)
+def test_a_hub_snapshots_split_must_be_one_complete_set_of_shards(tmp_path, data, names, refused):
+    """A missing shard loaded half a split, and a stale copy or an older revision's shards beside the set were loaded
+    too (some questions twice): each is refused, naming the folder and the files."""
+    source = Path(data["gsm8k_parquet"]) / "main"
+    table = pq.read_table(next(source.glob("test-*.parquet")))
+    folder = tmp_path / "gsm8k" / "main"
+    folder.mkdir(parents=True)
+    shutil.copy(next(source.glob("train-*.parquet")), folder / "train-00000-of-00001.parquet")
+    for name in names:
+        pq.write_table(table, folder / name)
+    if refused:
+        with pytest.raises(BenchmarkDataError, match=r"the test split's parquet files are not one complete set"):
+            load_gsm8k(tmp_path / "gsm8k")
+    else:
+        assert len(load_gsm8k(tmp_path / "gsm8k")["test"]) == len(names) * table.num_rows

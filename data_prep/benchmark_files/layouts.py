@@ -79,6 +79,29 @@ def _mmlu_csv_split(path: Path, subject: str) -> list[dict]:
     return rows
 
 
+HUB_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.parquet$")
+
+
+def split_files(folder: Path, split: str) -> list[Path]:
+    """A split's parquet files in a hub snapshot's folder, checked as one set: the hub names them
+    `<split>-00000-of-00002.parquet`, ...; a set with a shard missing, two sets (an older revision's beside a newer),
+    or a stray copy beside a set (`... (1).parquet`) would load part of the split, or some of it twice."""
+    files = sorted(folder.glob(f"{split}-*.parquet"))
+    numbered = {path: HUB_SHARD.search(path.name) for path in files}
+    if not any(numbered.values()):
+        return files  # named otherwise (one file, as some copies have): read as they are
+    strays = [path.name for path, match in numbered.items() if not match]
+    totals = {int(match.group(2)) for match in numbered.values() if match}
+    indices = sorted(int(match.group(1)) for match in numbered.values() if match)
+    if strays or len(totals) != 1 or indices != list(range(next(iter(totals)))):
+        raise BenchmarkDataError(
+            f"{folder}: the {split} split's parquet files are not one complete set "
+            f"({', '.join(path.name for path in files)}): expected {split}-00000-of-0000N.parquet up to N-1, each "
+            "once, and nothing else; copy the snapshot again"
+        )
+    return files
+
+
 def _parquet_split(files: list[Path], columns: tuple[str, ...], what: str, check=None) -> list[dict]:
     """Rows of a hub snapshot's parquet files; `check(row)` returns what is wrong with a row, if anything."""
     import pyarrow.parquet as pq
@@ -140,7 +163,7 @@ def load_mmlu_subject(directory: str | Path, subject: str, **_) -> dict[str, lis
         return {split: _mmlu_csv_split(root / split / f"{subject}_{split}.csv", subject) for split in ("test", "dev")}
     return {
         split: _parquet_split(
-            sorted((root / subject).glob(f"{split}-*.parquet")),
+            split_files(root / subject, split),
             MMLU_COLUMNS,
             f"MMLU {subject} {split}",
             _mmlu_row_problem,
@@ -191,7 +214,7 @@ def load_gsm8k(directory: str | Path, **_) -> dict[str, list[dict]]:
         return {split: _gsm8k_jsonl(root / f"{split}.jsonl") for split in ("test", "train")}
     return {
         split: _parquet_split(
-            sorted((root / "main").glob(f"{split}-*.parquet")),
+            split_files(root / "main", split),
             ("question", "answer"),
             f"GSM8K {split}",
             _gsm8k_problem,
