@@ -33,6 +33,7 @@ MMLU_SUBJECTS = tuple(sorted(p.stem[len("mmlu_local_") :] for p in TASKS_DIR.glo
 
 
 # What the user calls each BenchmarkSettings field: eval.run's flags; the training recipe passes its keys.
+HFLM_MAX_GEN_TOKS = 256  # lm-eval's HF model's answer budget when none is given
 FLAG_NAMES = {"tasks": "--tasks", "limit": "--limit", "num_fewshot": "--num-fewshot", "batch_size": "--batch-size",
               "max_gen_toks": "--max-gen-toks", "mmlu_dir": "--mmlu-dir"}  # fmt: skip
 
@@ -48,11 +49,13 @@ class BenchmarkSettings:
     max_gen_toks: int | None = None  # GSM8K answer budget; None keeps lm-eval's (256)
     log_samples: bool = False  # every document's prompt, answers and scores in the results (`samples`)
 
-    def check(self, names: dict[str, str] | None = None) -> list[str]:
+    def check(self, names: dict[str, str] | None = None, positions: int | None = None) -> list[str]:
         """Before any expensive work: known task names, numbers that can work, and local data that loads with a
         few-shot split large enough. `names` maps the fields to what the user set (eval.run's flags by default).
-        Any number of test documents works on any number of ranks (`eval.sharded`). Returns warnings to show once
-        (an MMLU directory with some of the subjects)."""
+        Any number of test documents works on any number of ranks (`eval.sharded`). With the model's `positions`
+        (max_position_embeddings), a GSM8K answer budget that leaves no room for a prompt is refused: lm-eval fails
+        on it only at the first generation, after all of MMLU. Returns warnings to show once (an MMLU directory with
+        some of the subjects)."""
         from data_prep.benchmark_files.layouts import (
             HUB_GSM8K_TRAIN_ROWS,
             HUB_MMLU_DEV_ROWS,
@@ -70,6 +73,12 @@ class BenchmarkSettings:
             if value is not None and value < low:
                 raise ValueError(f"{names[key]} {value}: must be at least {low}" + (" or unset" if key in (
                     "limit", "max_gen_toks") else ""))  # fmt: skip
+        budget = self.max_gen_toks or HFLM_MAX_GEN_TOKS
+        if "gsm8k" in self.tasks and positions is not None and budget >= positions:
+            given = "" if self.max_gen_toks else " (lm-eval's default)"
+            raise ValueError(f"{names['max_gen_toks']} {budget}{given}: the model has {positions} positions "
+                             "(max_position_embeddings), and a GSM8K answer needs room for its prompt too: set it well "
+                             f"below {positions}")  # fmt: skip
         pools, warnings = {}, []  # the smallest few-shot split of each task, and where it is
         if "mmlu" in self.tasks:
             splits = mmlu_split_rows(self.mmlu_dir) if self.mmlu_dir else {}
@@ -283,7 +292,7 @@ def measure_prompts(settings: BenchmarkSettings, tokenizer, max_length: int) -> 
             counts = token_counts([request.args[0] for request in requests])
             for request in requests:
                 context, gen_kwargs = request.args
-                budget = normalize_gen_kwargs(dict(gen_kwargs), 256)["max_gen_toks"]  # 256: HFLM's default
+                budget = normalize_gen_kwargs(dict(gen_kwargs), HFLM_MAX_GEN_TOKS)["max_gen_toks"]
                 lengths.add(counts[context], max_length - budget)
             return [""] * len(requests)
 

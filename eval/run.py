@@ -96,11 +96,15 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
 def check_inputs(args, settings: BenchmarkSettings):
     """Everything a person may have got wrong, before the model is loaded (minutes at 70B): the benchmark data, the
     model directory, its tokenizer, the device and dtype, the output. Returns the tokenizer."""
-    for warning in settings.check():
-        print(f"warning: {warning}", file=sys.stderr)
     model = Path(args.model)
     if not (model / "config.json").is_file():
         raise ValueError(f"--model {args.model}: no config.json there; expected a saved model directory")
+    try:
+        positions = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise ValueError(f"--model {args.model}: its config.json is not a JSON object") from None
+    for warning in settings.check(positions=positions if isinstance(positions, int) else None):
+        print(f"warning: {warning}", file=sys.stderr)
     what = "--tokenizer" if args.tokenizer else "--model (no --tokenizer given, so its tokenizer)"
     tokenizer = load_tokenizer(args.tokenizer or args.model, what)
     if not any((model / name).is_file() for name in WEIGHTS):  # a traceback from transformers before

@@ -162,6 +162,26 @@ def test_an_mmlu_directory_without_mmlus_subject_names_is_refused_and_one_with_s
                         "their accuracy weighted by size, not MMLU's"]  # fmt: skip
 
 
+def test_an_answer_budget_without_room_for_a_prompt_is_refused(tmp_path, data, tiny_model_dir, capsys):
+    """`--max-gen-toks` at or above the model's positions: lm-eval asserted it only at GSM8K's first generation, after
+    the whole of MMLU (hours at 70B), and the recipe failed every evaluation. Refused with one line before any model."""
+    import json
+
+    with pytest.raises(ValueError, match=r"eval_max_gen_toks 64: the model has 64 positions"):
+        BenchmarkSettings(["gsm8k"], max_gen_toks=64).check({"max_gen_toks": "eval_max_gen_toks"}, positions=64)
+    with pytest.raises(ValueError, match=r"--max-gen-toks 256 \(lm-eval's default\): the model has 128 positions"):
+        BenchmarkSettings(["gsm8k"]).check(positions=128)
+    BenchmarkSettings(["mmlu"], max_gen_toks=64).check(positions=64)  # no generation
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    code = run_main(["--model", str(model), "--tasks", "gsm8k", "--gsm8k-dir", str(data["gsm8k_jsonl"]),
+                     "--max-gen-toks", "32", "--output", str(tmp_path / "r.json")])  # fmt: skip
+    said = capsys.readouterr().err
+    assert code == 2 and said.count("\n") == 1 and "--max-gen-toks 32: the model has 32 positions" in said, said
+
+
 @pytest.mark.parametrize(
     ("settings", "said"),
     [

@@ -177,7 +177,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     benchmarks = benchmark_settings(config)
     if benchmarks:
         # numbers and data directories, before the model costs anything
-        log_on_main(accelerator, benchmarks.check(RECIPE_KEYS))  # every rank checks; one says what is partial
+        log_on_main(accelerator, benchmarks.check(RECIPE_KEYS, model_config.max_position_embeddings))
         logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
         positions, strict = model_config.max_position_embeddings, config.preflight_strict
         on_main_process(lambda: check_prompt_lengths(benchmarks, tokenizer, positions, strict), catch=(ConfigError,))
