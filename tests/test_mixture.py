@@ -35,6 +35,9 @@ def test_proportions_are_exact():
     assert prefix < 1 and window < 1, "two sources: every window within 1 of w x N"
     prefix, window = window_errors(Blend([0.5, 0.3, 0.2]), [0.5, 0.3, 0.2])
     assert prefix < 1 and window < 2
+    weights = [0.101, 0.501, 0.101, 0.001, 0.761]  # a prefix passes 1 here (1.03): the docs say within 2
+    prefix, window = window_errors(Blend(weights), [w / sum(weights) for w in weights], samples=6000)
+    assert 1 < prefix < 2 and window < 2
 
 
 def test_a_sample_is_located_the_same_way_by_a_fresh_blend_and_indices_cover_each_source_once():
@@ -52,6 +55,8 @@ def test_weights_that_cannot_blend_are_refused():
         Blend([0.5, 0.0])
     with pytest.raises(MixtureError, match="common denominator"):
         Blend([1 / 3, 1 / 7, 1 / 11, 0.123457])
+    with pytest.raises(MixtureError, match=r"mixture weights \[1e-07\] are below a millionth of the total"):
+        Blend([1e-7, 1])  # rounded to 0 at six decimals, its source was silently never drawn
 
 
 @pytest.fixture(scope="module")

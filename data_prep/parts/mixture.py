@@ -5,9 +5,9 @@ The order is Megatron's deterministic blending: sample i comes from the source f
 common denominator D, the blend repeats exactly every D samples (after D samples every source has drawn w_s x D,
 so the greedy starts again from the same state): one period is computed once, and then any sample's source and
 its index within that source follow in O(1), whatever the world size or dataloader workers, and a resume needs
-only the global index. After any prefix of n samples each source has drawn within 1 of w_s x n. For two sources
-every window of n consecutive samples is within 1 too; for three or more, a window can reach 2 (a balanced
-sequence need not exist for arbitrary weights: Fraenkel's conjecture).
+only the global index. For two sources, after any prefix of n samples and in every window of n consecutive ones,
+each source has drawn within 1 of w_s x n; for three or more, within 2 (a prefix can pass 1 by a little, and a
+balanced sequence need not exist for arbitrary weights: Fraenkel's conjecture).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ def exact_weights(weights: list[float]) -> list[Fraction]:
         raise MixtureError(f"mixture weights must all be positive, got {weights}")
     fractions = [Fraction(str(w)).limit_denominator(MAX_PERIOD) for w in weights]
     total = sum(fractions)
+    vanishing = [w for w, f in zip(weights, fractions, strict=True) if f / total < Fraction(1, MAX_PERIOD)]
+    if vanishing:  # its source would never be drawn, without a word
+        raise MixtureError(f"mixture weights {vanishing} are below a millionth of the total ({float(total):g}): "
+                           "such a source is never drawn; raise it or leave the source out")  # fmt: skip
     normalized = [f / total for f in fractions]
     if lcm(*(f.denominator for f in normalized)) > MAX_PERIOD:
         raise MixtureError(f"mixture weights {weights} need a common denominator above {MAX_PERIOD:,}: round them")
