@@ -58,6 +58,26 @@ def test_skip_corrupt_files_goes_on_and_names_the_file_in_the_manifest(tmp_path,
     assert manifest["skipped"]["corrupt_file"] == 1 and str(bad) in manifest["skipped_examples"]["corrupt_file"][0]
 
 
+def test_a_resume_after_a_damaged_files_last_chunk_does_not_count_it_again(tmp_path, corpus):
+    """The chunk after a damaged file's last good record recorded a position inside that file: a preprocessing killed
+    right after saving it read the file again on resume and counted it corrupt twice (the manifest's counts then
+    differed from an uninterrupted run's). The position is past the file."""
+    from data_prep.preprocessing.pipeline import iter_chunks
+    from data_prep.preprocessing.progress import Progress
+
+    data = corpus_lines(corpus, 40)
+    bad, good = tmp_path / "b.jsonl.zst", tmp_path / "c.jsonl"
+    packed = zstandard.ZstdCompressor().compress(data)
+    bad.write_bytes(packed[: len(packed) // 2])
+    good.write_bytes(data)
+    chunks = list(iter_chunks([str(bad), str(good)], "text", Progress(), False, 10**6, True))
+    damaged = [chunk for chunk in chunks if chunk.skipped["corrupt_file"] == 1]
+    assert damaged[0].position == (1, 1, 0), "the first chunk that counts the damage is placed past the file"
+    resumed = Progress(file_index=1, next_line=1, skipped=damaged[0].skipped)
+    again = list(iter_chunks([str(bad), str(good)], "text", resumed, False, 10**6, True))
+    assert again[-1].skipped["corrupt_file"] == 1
+
+
 def test_a_corrupt_parquet_row_group_is_named(tmp_path, corpus):
     path = tmp_path / "corpus.parquet"
     pq.write_table(pa.table({"text": list(iter_texts(corpus["train"]))[:200]}), path, row_group_size=50)

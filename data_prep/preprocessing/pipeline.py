@@ -103,7 +103,7 @@ def iter_chunks(sources: list[str], text_field: str, progress: Progress, strict:
     for file_index in range(progress.file_index, len(sources)):
         source = sources[file_index]
         start, first_piece = (progress.next_line, progress.next_piece) if file_index == progress.file_index else (1, 0)
-        last_line = start - 1
+        last_line, after_file = start - 1, None
         try:
             for record in iter_records(source, text_field, start_line=start):
                 last_line = record.line
@@ -127,8 +127,9 @@ def iter_chunks(sources: list[str], text_field: str, progress: Progress, strict:
                 raise PreprocessError(f"{error}. Replace the file, or pass --skip-corrupt-files to keep what was "
                                       "read of it and go on without the rest") from None  # fmt: skip
             _count_skip(tally, CORRUPT_FILE, str(error), strict=False)
+            after_file = (file_index + 1, 1, 0)  # a resume goes on past it: reading it again counted it twice
         if pieces:
-            yield chunk((file_index, last_line + 1, 0))
+            yield chunk(after_file or (file_index, last_line + 1, 0))
     yield chunk((len(sources), 1, 0))  # no pieces: marks the end, so the final position is recorded
 
 
