@@ -177,7 +177,6 @@ def preprocess(
     except InputError as error:
         raise PreprocessError(str(error)) from None
     split_bytes = [os.path.getsize(source) for source in every_source]  # what the part split sees, recorded
-    every_path = [str(Path(source).resolve()) for source in every_source]  # absolute: merge runs from anywhere
     sources = select_part(every_source, num_parts, part, split_bytes)
     if num_parts > 1:
         log(f"part {part} of {num_parts}: {len(sources)} of {len(every_source)} input files")
@@ -192,9 +191,7 @@ def preprocess(
         "max_document_chars": max_document_chars,
         "tokenizer": tokenizer_identity(tokenizer, tokenizer_path),
         "filters": filters.settings(),
-        "part": None
-        if num_parts == 1
-        else {"index": part, "count": num_parts, "all_inputs": every_path, "split_bytes": split_bytes},  # fmt: skip
+        "part": part_settings(every_source, num_parts, part, split_bytes),
     }
     out = Path(output)
     lock = _lock(out)
@@ -210,6 +207,15 @@ def preprocess(
         raise full from None
     finally:
         lock.release()
+
+
+def part_settings(every_source: list[str], num_parts: int, part: int, split_bytes: list[int]) -> dict | None:
+    """What a part records of the whole run (None for a whole run), its inputs by absolute path: merge runs from
+    any directory."""
+    if num_parts == 1:
+        return None
+    every_path = [str(Path(source).resolve()) for source in every_source]
+    return {"index": part, "count": num_parts, "all_inputs": every_path, "split_bytes": split_bytes}
 
 
 def _lock(out: Path) -> DirectoryLock:

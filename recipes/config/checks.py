@@ -16,8 +16,8 @@ from recipes.config.fields import (
     REPORT_TO,
     ConfigError,
     PretrainConfig,
-    coerce,
 )
+from recipes.config.values import coerce
 
 
 def _positive(config: PretrainConfig, *names: str) -> None:

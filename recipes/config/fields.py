@@ -6,7 +6,6 @@ Keys follow Hugging Face `TrainingArguments` names wherever one exists.
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,15 +100,13 @@ class PretrainConfig:
         default=True,
         metadata={
             "help": (
-                "Train a preprocessed directory's rows (each mixture source's) in a pseudo-random order, another each "
-                "epoch, rather than in corpus order (which is the input files' order: one source after another). "
-                "Raw-text train_files are always read in file order."
+                "Train a preprocessed directory's rows (each mixture source's) in a pseudo-random order, another "
+                "each epoch, not in corpus order (the input files': one source after another). Raw text is read in "
+                "file order."
             )
         },
     )
-    data_seed: int | None = field(
-        default=None, metadata={"help": "Seed of the row order (shuffle_train_rows); null uses `seed`."}
-    )
+    data_seed: int | None = field(default=None, metadata={"help": "Seed of that order; null uses `seed`."})
 
     max_seq_length: int = field(
         default=2048,
@@ -409,51 +406,3 @@ class PretrainConfig:
 
 def field_types() -> dict[str, Any]:
     return typing.get_type_hints(PretrainConfig)
-
-
-def coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Convert a YAML or command-line value to the field's declared type, or say why it cannot."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return coerce(key, value, inner)
-    if origin is list:
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
-            return []  # `validation_files: null` means none, as [] does (a list key that can be unset is Optional)
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [coerce(key, v, args[0]) for v in value]
-    if origin is dict or annotation is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return value
-    try:
-        if annotation is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("true", "1", "yes"):
-                return True
-            if str(value).lower() in ("false", "0", "no"):
-                return False
-            raise ValueError
-        if annotation is int:
-            if isinstance(value, bool):
-                raise ValueError
-            number = float(value) if isinstance(value, str) else value
-            if float(number) != int(number):
-                raise ValueError
-            return int(number)
-        if annotation is float:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if annotation is str:
-            return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: expected {annotation.__name__}, got {value!r}") from None
-    raise ConfigError(f"{key}: unsupported type {annotation}")

@@ -12,7 +12,8 @@ from typing import Any
 import yaml
 
 from recipes.config.checks import validate_static
-from recipes.config.fields import ConfigError, PretrainConfig, coerce, field_types
+from recipes.config.fields import ConfigError, PretrainConfig, field_types
+from recipes.config.values import coerce
 
 
 def _yaml_problem(error: yaml.YAMLError) -> tuple[int | None, str]:
