@@ -262,3 +262,24 @@ def test_an_explicit_resume_older_than_the_directorys_newest_is_refused_unless_a
     for word in ("auto", "none"):
         config.resume_from_checkpoint = word
         assert resume_request(config) == word
+
+
+def test_a_save_that_would_not_fit_is_found_before_any_rank_writes(tmp_path, monkeypatch):
+    """A disk that filled on some ranks only (a shared file system fills while the shards are written) left those
+    ranks in the failure's all-reduce and the others in DeepSpeed's barrier: a hang until the collective timeout, exit
+    1, not the failed save's exit 4. Every rank now compares the free space with the newest checkpoint's size first."""
+    import collections
+    import shutil
+
+    from recipes.training.checkpointing import LATEST, space_problem
+
+    assert space_problem(tmp_path) is None, "no checkpoint yet: nothing to go by"
+    make_checkpoint(tmp_path, 100, payload=b"x" * 1000)
+    (tmp_path / LATEST).write_text("checkpoint-100\n")
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**12, 0, 1000))
+    assert space_problem(tmp_path) == f"0.0 GB free in {tmp_path}, and a checkpoint takes 0.0 GB (checkpoint-100)"
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**12, 0, 1100))
+    assert space_problem(tmp_path) is None, "5 % of margin"
+    (tmp_path / LATEST).write_text("checkpoint-300\n")  # a pointer to nothing complete: no figure to compare
+    assert space_problem(tmp_path) is None

@@ -26,7 +26,7 @@ import yaml
 
 from common.collectives import ranks_where
 from common.files import atomic_write_text, sha256_of
-from common.lock import FileLock, LockedError, held_by_someone
+from common.lock import held_by_someone
 
 logger = logging.getLogger("pretrain")
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
@@ -269,6 +269,11 @@ def save_checkpoint(
     writes `state` to trainer_state.json and each of `run_files` (name -> text: the resolved recipe, ...)."""
     output_dir = Path(output_dir)
     staging = output_dir / f".checkpoint-{step}.tmp"
+    short = space_problem(output_dir)
+    if ranks_where(short is not None, accelerator.device):  # before any rank writes: see space_problem
+        raise CheckpointSaveError(f"checkpoint-{step} not saved: {short or 'too little space on another rank'}. Make "
+                                  "room (or lower save_total_limit) and relaunch: the run resumes from the previous "
+                                  "checkpoint, which is intact")  # fmt: skip
     if accelerator.is_main_process and staging.exists():
         shutil.rmtree(staging)
     accelerator.wait_for_everyone()
@@ -297,6 +302,22 @@ def save_checkpoint(
     return _publish(accelerator, staging, output_dir / f"checkpoint-{step}", step)
 
 
+def space_problem(output_dir: Path, margin: float = 1.05) -> str | None:
+    """Why the next save would not fit: the free space against the newest complete checkpoint's size (None: it fits,
+    or there is none yet). Checked by every rank before any writes: a disk that filled on some ranks only left those
+    in the failure's all-reduce and the others in DeepSpeed's barrier, a hang instead of exit 4."""
+    latest = output_dir / LATEST
+    newest = output_dir / latest.read_text().strip() if latest.is_file() else None
+    if newest is None or manifest_problems(newest):
+        return None
+    needed = sum(entry["bytes"] for entry in read_manifest(newest)["files"].values()) * margin
+    free = shutil.disk_usage(output_dir).free
+    if free >= needed:
+        return None
+    size_gb = needed / margin / 1e9
+    return f"{free / 1e9:.1f} GB free in {output_dir}, and a checkpoint takes {size_gb:.1f} GB ({newest.name})"
+
+
 def _publish(accelerator, staging: Path, final: Path, step: int) -> Path:
     """Hash, write the manifest last, rename, point `latest` at it (a collective; moves on the main process)."""
     from accelerate.utils import gather_object
@@ -309,13 +330,22 @@ def _publish(accelerator, staging: Path, final: Path, step: int) -> Path:
     files: dict[str, Any] = {}
     for part in gather_object([mine]):
         files.update(part)
+    failure = ""
     if accelerator.is_main_process:
-        manifest = {"step": step, "world_size": accelerator.num_processes, "files": dict(sorted(files.items()))}
-        atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        atomic_write_text(final.parent / LATEST, final.name + "\n")
+        try:  # a full disk here raised on the main process only, the others waiting in the barrier below
+            manifest = {"step": step, "world_size": accelerator.num_processes, "files": dict(sorted(files.items()))}
+            atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            atomic_write_text(final.parent / LATEST, final.name + "\n")
+        except OSError as error:
+            failure = f"{type(error).__name__}: {error}"
+            shutil.rmtree(staging, ignore_errors=True)
+    if ranks_where(bool(failure), accelerator.device):
+        said = failure or "see its log"
+        raise CheckpointSaveError(f"publishing checkpoint-{step} failed on the main process ({said}); a relaunch "
+                                  "resumes from the newest complete checkpoint")  # fmt: skip
     accelerator.wait_for_everyone()
     return final
 
@@ -330,36 +360,6 @@ def export_staging(output: Path) -> tuple[Path, Path]:
     """An export to `output` writes into the staging directory beside it, renamed into place when complete, and holds
     the lock file beside it while it works: (staging, lock)."""
     return output.with_name(f".{output.name}.tmp"), output.with_name(f".{output.name}.export-lock")
-
-
-def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
-    """Staging directories in `directory` left by exports that were killed (no process holds their lock), removed:
-    at 70B one is ~140 GB of hidden files. Returns what was removed, with its bytes."""
-    removed = []
-    for lock in sorted(directory.glob(".*.export-lock")):
-        staging = lock.with_name(lock.name.removesuffix(".export-lock") + ".tmp")
-        if not staging.is_dir():
-            continue
-        try:  # held while removing, as an export holds it: one starting meanwhile is refused, not removed under
-            with FileLock(lock, what="a starting run removing a killed export's staging"):
-                size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
-                shutil.rmtree(staging, ignore_errors=True)
-        except LockedError:  # an export at work
-            continue
-        removed.append((staging, size))
-    return removed
-
-
-def remove_stale_checkpoint_staging(output_dir: Path) -> list[tuple[Path, int]]:
-    """`.checkpoint-N.tmp` directories left by saves that were killed (at 70B up to ~1 TB of hidden files), removed
-    at a start, where no save of this directory can be at work (the run holds its lock). Returns them with their
-    bytes."""
-    removed = []
-    for staging in sorted(output_dir.glob(".checkpoint-*.tmp")):
-        size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
-        shutil.rmtree(staging, ignore_errors=True)
-        removed.append((staging, size))
-    return removed
 
 
 def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: int | None, best: Path | None):

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from common.collectives import on_main_process
-from common.lock import DirectoryLock, LockedError, describe
+from common.lock import DirectoryLock, FileLock, LockedError, describe
 from recipes.config import ConfigError, PretrainConfig
 from recipes.training import checkpointing
 from recipes.training.callbacks import Benchmarks
@@ -95,15 +95,45 @@ def prepare(config: PretrainConfig, ds_config: dict, tokenizer) -> None:
     recipe, the DeepSpeed config and a copy of the tokenizer beside the run's outputs."""
     check_fresh_start(config)
     output_dir = Path(config.output_dir)
-    for staging, size in checkpointing.remove_stale_export_staging(output_dir):
+    for staging, size in remove_stale_export_staging(output_dir):
         logger.warning("removed %s (%.1f GB), left by an export that was killed (final/ or one beside the "
                        "checkpoints)", staging, size / 1e9)  # fmt: skip
-    for staging, size in checkpointing.remove_stale_checkpoint_staging(output_dir):
+    for staging, size in remove_stale_checkpoint_staging(output_dir):
         logger.warning("removed %s (%.1f GB), left by a save that was killed", staging, size / 1e9)
     with disk_errors_named(output_dir):
         checkpointing.write_resolved_config(output_dir, config.to_dict())
         (output_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, default=str))
         keep_tokenizer(output_dir, tokenizer, config.tokenizer_name_or_path)
+
+
+def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
+    """Staging directories in `directory` left by exports that were killed (no process holds their lock), removed:
+    at 70B one is ~140 GB of hidden files. Returns what was removed, with its bytes."""
+    removed = []
+    for lock in sorted(directory.glob(".*.export-lock")):
+        staging = lock.with_name(lock.name.removesuffix(".export-lock") + ".tmp")
+        if not staging.is_dir():
+            continue
+        try:  # held while removing, as an export holds it: one starting meanwhile is refused, not removed under
+            with FileLock(lock, what="a starting run removing a killed export's staging"):
+                size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
+                shutil.rmtree(staging, ignore_errors=True)
+        except LockedError:  # an export at work
+            continue
+        removed.append((staging, size))
+    return removed
+
+
+def remove_stale_checkpoint_staging(output_dir: Path) -> list[tuple[Path, int]]:
+    """`.checkpoint-N.tmp` directories left by saves that were killed (at 70B up to ~1 TB of hidden files), removed
+    at a start, where no save of this directory can be at work (the run holds its lock). Returns them with their
+    bytes."""
+    removed = []
+    for staging in sorted(output_dir.glob(".checkpoint-*.tmp")):
+        size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
+        shutil.rmtree(staging, ignore_errors=True)
+        removed.append((staging, size))
+    return removed
 
 
 def keep_tokenizer(output_dir: Path, tokenizer, loaded_from: str) -> None:
