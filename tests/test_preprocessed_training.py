@@ -132,6 +132,25 @@ def test_a_lost_node_and_its_return_continue_the_run_unattended(tmp_path, uninte
             "step 9: 1 -> 2 ranks (accumulation 4 -> 2)") in report  # fmt: skip
 
 
+def test_a_rollback_after_a_world_size_change_loads_this_launchs_checkpoint(tmp_path, uninterrupted, corpus,
+                                                                            packed_dir):  # fmt: skip
+    """A launch that resumed from another world size's checkpoint builds its engine to load DeepSpeed's universal
+    format; a rollback to a checkpoint this launch saved (the ordinary format) went through that loader too. Each
+    load now says which format it reads."""
+    output_dir = tmp_path / "elastic"
+    shutil.copytree(uninterrupted, output_dir)
+    shutil.rmtree(output_dir / f"checkpoint-{STEPS}")
+    shutil.rmtree(output_dir / "final")
+    args = run_args(corpus, packed_dir, output_dir, elastic="true", save_steps=2, loss_spike_factor=0.98,
+                    loss_spike_window=3, loss_spike_action="rollback", loss_spike_max_rollbacks=1)  # fmt: skip
+    result = launch(REPO / "recipes/pretrain.py", args, num_processes=1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "elastic: converting checkpoint-6 to DeepSpeed's universal format" in result.stderr
+    rolled = [line for line in result.stderr.splitlines() if "rolling back to checkpoint-" in line]
+    assert rolled and not rolled[0].endswith("checkpoint-6"), result.stderr[-4000:]
+    assert read_manifest(output_dir / f"checkpoint-{STEPS}")["world_size"] == 1
+
+
 def test_another_world_size_without_elastic_names_both_ways_out(tmp_path, uninterrupted, corpus, packed_dir):
     """Checked where a launch checks it, before the model (no launch needed to see the answer)."""
     from transformers import AutoTokenizer

@@ -433,6 +433,9 @@ class Checkpointer:
         whether it was saved by this many processes. If not, it loads the universal checkpoint (DeepSpeed then
         needs `checkpoint.load_universal`, set before the engine is built; per-rank RNG states do not carry over)."""
         same_world = read_manifest(path)["world_size"] == self.accelerator.num_processes
+        # DeepSpeed reads the format from its config at each load: a launch that resumed from universal/ and later
+        # rolls back to one of its own checkpoints loads the ordinary format (it crashed in the universal loader)
+        self.engine._config.load_universal_checkpoint = not same_world
         if same_world:
             self.accelerator.load_state(str(path))  # every rank loads its own shards and RNG states
         else:
