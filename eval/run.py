@@ -96,6 +96,10 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
 def check_inputs(args, settings: BenchmarkSettings):
     """Everything a person may have got wrong, before the model is loaded (minutes at 70B): the benchmark data, the
     model directory, its tokenizer, the device and dtype, the output. Returns the tokenizer."""
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1:  # lm-eval's own data-parallel mode builds other few-shot prompts
+        raise ValueError(f"eval.run is one process (WORLD_SIZE is {os.environ['WORLD_SIZE']}): run it with python "
+                         "-m, not torchrun or accelerate launch; --parallelize spreads one model over a node's "
+                         "GPUs")  # fmt: skip
     model = Path(args.model)
     if not (model / "config.json").is_file():
         raise ValueError(f"--model {args.model}: no config.json there; expected a saved model directory")

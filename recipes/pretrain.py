@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(error)
     # torch and DeepSpeed are imported only now, so that --help and a bad config answer at once
     from recipes.export import ExportInterrupted, export_run, record_run
-    from recipes.training.checkpointing import CheckpointError, CheckpointSaveError
-    from recipes.training.run_state import StopReason, TrainingFault
+    from recipes.training.checkpointing import CheckpointError
+    from recipes.training.exit_codes import run_exit
+    from recipes.training.run_state import StopReason
     from recipes.training.startup import check_launch
-    from recipes.training.train_data import DataStallError
     from recipes.training.trainer import build_trainer
 
     try:
@@ -63,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     except ExportInterrupted as interrupted:  # the checkpoint is complete: a relaunch exports final/ again
         logger.warning("%s", interrupted)
         code = 0
-    except (TrainingFault, CheckpointSaveError, DataStallError, ConfigError) as error:
-        logger.error("%s", error)
-        code = {TrainingFault: 3, CheckpointSaveError: 4, DataStallError: 5, ConfigError: 2}[type(error)]
+    except Exception as error:
+        named = run_exit(error, config.output_dir)  # the exit codes' table; None: a bug, a traceback and 1
+        if named is None:
+            raise
+        code, said = named
+        logger.error("%s", said)
     finally:
         trainer.accelerator.end_training()  # finishes the trackers' runs
         trainer.metrics.close(code, config.metrics_linger_s)  # the endpoint says how the run ended, then goes

@@ -282,6 +282,16 @@ def test_a_relative_model_path_is_never_looked_up_on_the_hub(tmp_path, data, tin
     assert "models/step-4000" not in asked, asked
 
 
+def test_eval_run_under_a_multi_process_launcher_is_refused(tmp_path, data, tiny_model_dir, capsys, monkeypatch):
+    """Under torchrun, lm-eval's HF model went into its own data-parallel mode: every rank but the first built other
+    GSM8K few-shot prompts, and those ranks crashed formatting a table of None. One line instead, before any model."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code = run_main(["--model", str(tiny_model_dir), "--tasks", "gsm8k", "--gsm8k-dir", str(data["gsm8k_jsonl"]),
+                     "--output", str(tmp_path / "r.json")])  # fmt: skip
+    said = capsys.readouterr().err
+    assert code == 2 and said.count("\n") == 1 and "eval.run is one process (WORLD_SIZE is 2)" in said, said
+
+
 def test_standalone_runner_on_both_layouts_writes_lm_eval_results(tmp_path, data, tiny_model_dir, capsys):
     scores = []
     for mmlu, gsm8k in (("mmlu_csv", "gsm8k_jsonl"), ("mmlu_parquet", "gsm8k_parquet")):

@@ -325,3 +325,36 @@ def test_a_bad_input_found_on_another_node_is_said_by_that_nodes_first_rank(tmp_
     assert said[0].startswith("error: ") and said[0].count("\n") == 1 and "missing.yaml" in said[0], said[0]
     assert said[8] == f"{said[0].rstrip()} (on {socket.gethostname()}, rank 8)\n"
     assert said[9] == ""
+
+
+def test_a_full_disk_anywhere_in_a_run_is_a_failed_save():
+    """final/'s export out of space came out as bad input (2: a scheduler does not requeue it, a person looks for a
+    mistake in the recipe), and a full disk writing metrics.jsonl or the report as a traceback (1). Both are 4 now,
+    with one line; the other errors keep their codes, and one the run does not name stays a traceback."""
+    import errno
+
+    from recipes.config import ConfigError
+    from recipes.training.checkpointing import CheckpointSaveError
+    from recipes.training.exit_codes import run_exit
+    from recipes.training.run_state import TrainingFault
+    from recipes.training.train_data import DataStallError
+
+    def chained(outer: Exception, inner: Exception) -> Exception:
+        try:
+            try:
+                raise inner
+            except OSError:
+                raise outer from None
+        except Exception as error:  # noqa: BLE001 (the chain is what is tested)
+            return error
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/a/final/.tmp/model.safetensors")
+    export_full = chained(ConfigError("cannot export checkpoint-40: No space left on device"), full)
+    assert run_exit(export_full, "/runs/a") == (4, "cannot export checkpoint-40: No space left on device")
+    code, said = run_exit(OSError(errno.ENOSPC, "No space left on device", "/runs/a/metrics.jsonl"), "/runs/a")
+    assert code == 4 and said.startswith("output_dir /runs/a: No space left on device while writing /runs/a/metrics")
+    assert run_exit(ConfigError("train_files: the data ended"), "/runs/a") == (2, "train_files: the data ended")
+    assert run_exit(TrainingFault("non-finite loss"), "/runs/a")[0] == 3
+    assert run_exit(CheckpointSaveError("saving failed"), "/runs/a")[0] == 4
+    assert run_exit(DataStallError("stuck"), "/runs/a")[0] == 5
+    assert run_exit(ValueError("a bug"), "/runs/a") is None and run_exit(OSError(errno.EIO, "I/O"), "/runs/a") is None

@@ -84,9 +84,14 @@ def test_a_failure_half_way_leaves_no_staging_and_publishes_nothing(run, tmp_pat
         raise OSError(28, "No space left on device", str(tmp_path / ".model.tmp" / "model.safetensors"))
 
     monkeypatch.setattr(export_module, "_write_weights", fail)
-    with pytest.raises(ConfigError, match="No space left on device"):
+    with pytest.raises(ConfigError, match="No space left on device") as raised:
         export_checkpoint(checkpoint, tmp_path / "model")
     assert not (tmp_path / "model").exists() and leftovers(tmp_path) == []
+    # the full disk stays findable behind the one line: the training run's final/ export exits 4 on it, not 2 (bad
+    # input, which a scheduler does not requeue and a person reads as a mistake in the recipe)
+    from common.exit_codes import disk_full
+
+    assert disk_full(raised.value).errno == 28
 
 
 def test_exporting_an_exported_model_says_what_it_is(trained_run, tmp_path):
