@@ -351,6 +351,9 @@ def check_launch(config: PretrainConfig) -> Launch:
     from recipes.training.run_state import StopSignals
     from recipes.training.train_data import TrainData
 
+    # From here a stop signal waits for the first step boundary (a start can take half an hour at 70B: checksums, an
+    # elastic conversion, the model): it used to kill the ranks, exit 1, in that time
+    signals = StopSignals()
     accelerator, ds_config = setup_distributed(config)
     configure_logging(accelerator)
     if config.elastic:
@@ -377,5 +380,4 @@ def check_launch(config: PretrainConfig) -> Launch:
         logger.log(*data_passes(config, data, world))
     # on the main process, and an error there stops every rank
     on_main_process(lambda: output_dir.prepare(config, ds_config, inputs.tokenizer), catch=(ConfigError,))
-    signals = StopSignals()  # from here a preemption signal waits for the next step boundary
     return Launch(accelerator, ds_config, lock, inputs, data, resume_from, signals)

@@ -147,8 +147,12 @@ def init_worker(worker_id: int) -> None:
     of the job, and a worker dying of SIGTERM would kill the rank before it can save. Since multiprocessing stops
     workers with SIGTERM at exit, the rank kills them itself (`TrainData.close`)."""
     die_with_parent()
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)  # held back since the fork (`_epoch_iterator`)
+
+
+PREEMPTION_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
 
 
 class _StallAfter(IterableDataset):
@@ -228,7 +232,13 @@ class TrainData:
         iterator forks its workers, which copy the dataset then: the loader must not keep persistent workers.)"""
         if isinstance(self.loader.dataset, PackedRows):
             self.loader.dataset.epoch = epoch
-        return iter(self.loader)
+        # Held back while the workers start (they inherit the mask; `init_worker` ignores them, then lets them in): a
+        # worker that took one before that died of it by torch's own handler, and its rank with it (exit 1)
+        signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+        try:
+            return iter(self.loader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
 
     @property
     def steps_per_epoch(self) -> int | None:

@@ -99,7 +99,8 @@ class Trainer:
             # that the checkpoint it saves records the data position of the step it saves.
             (signalled,) = any_rank([self.signals.received is not None], self.accelerator.device)
             if signalled:
-                self.save()
+                if self.state.step:  # a signal during the start of a fresh run: nothing trained, nothing to save
+                    self.save()
                 stop = Stop(StopReason.STOP_SIGNAL)
                 break
             if self.data_ends:
