@@ -82,7 +82,7 @@ def test_a_save_that_fails_for_lack_of_space_keeps_the_previous_checkpoint(tmp_p
     assert manifest_problems(output_dir / "checkpoint-2") == [] and verify_checksums(output_dir / "checkpoint-2") == []
 
 
-def test_fp16_overflows_are_the_loss_scalers_and_a_non_finite_norm_elsewhere_is_a_fault(caplog):
+def test_fp16_overflows_are_the_loss_scalers_and_a_non_finite_norm_elsewhere_is_a_fault(caplog, monkeypatch):
     """fp16's dynamic loss scaling overflows by design (early in training, and after each doubling of the scale):
     DeepSpeed skips that update and lowers the scale, but the loop raised a training fault at the first one, so every
     fp16 run stopped (exit 3) within hours. Now an overflow is logged, and only a run of FP16_OVERFLOWS_IN_A_ROW is a
@@ -99,3 +99,23 @@ def test_fp16_overflows_are_the_loss_scalers_and_a_non_finite_norm_elsewhere_is_
     with pytest.raises(TrainingFault, match="non-finite gradient norm at step 3: stopping without saving. Last good "
                                             "checkpoint: checkpoint-2"):  # fmt: skip
         loss_scale_overflows(False, False, 0, 3, "checkpoint-2")
+
+    # DeepSpeed's own scaler gives up at its minimum scale with a bare Exception: exit 3, not a traceback's 1
+    from deepspeed.runtime.fp16 import loss_scaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from recipes.training.trainer import fp16_floor_is_a_fault
+
+    # DeepSpeed's defaults for fp16: scale 2^16, hysteresis 2, minimum 1, raise at the minimum
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # it logs on rank 0 (no process group here)
+    scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=1000, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False, raise_error_at_min_scale=True)  # fmt: skip
+    overflows = 0
+    floor = "fp16 loss scale at its minimum and still overflowing at step 12"
+    with pytest.raises(TrainingFault, match=floor), fp16_floor_is_a_fault(12, "checkpoint-10"):
+        for _ in range(40):
+            overflows += 1
+            scaler.update_scale(True)
+    assert overflows > FP16_OVERFLOWS_IN_A_ROW, f"ours comes first: DeepSpeed gives up at overflow {overflows}"
+    with pytest.raises(ValueError, match="another error"), fp16_floor_is_a_fault(12, None):
+        raise ValueError("another error")

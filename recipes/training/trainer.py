@@ -7,6 +7,7 @@ the loss-spike rule, benchmarks, validation and early stopping, checkpoints, the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -143,7 +144,8 @@ class Trainer:
             losses.append(loss.detach())
             if last:
                 self._stop_on_nonfinite_loss(losses)
-            self.accelerator.backward(loss)
+            with fp16_floor_is_a_fault(self.state.step + 1, self.checkpointer.last):
+                self.accelerator.backward(loss)  # DeepSpeed's optimizer step on the last micro-batch
             self.window.add(loss, input_ids.numel())
         self.state.step += 1
         self.state.num_tokens += self.tokens_per_step
@@ -205,9 +207,23 @@ class Trainer:
             )
 
 
-# fp16's dynamic loss scale starts at 2^16 and halves at each overflow: 32 in a row took it below 2^-16, which no
-# healthy run needs (an overflow is by design at the start and after each doubling of the scale)
-FP16_OVERFLOWS_IN_A_ROW = 32
+# fp16's dynamic loss scale starts at 2^16 and DeepSpeed halves it every second overflow in a row (hysteresis 2):
+# 16 in a row take it to 2^8, which a healthy run finds long before (an overflow is by design at the start and after
+# each doubling of the scale); DeepSpeed itself gives up at its minimum of 1, the 18th
+FP16_OVERFLOWS_IN_A_ROW = 16
+
+
+@contextlib.contextmanager
+def fp16_floor_is_a_fault(step: int, last_checkpoint):
+    """DeepSpeed's loss scaler raises a bare Exception when the scale is at its minimum and overflows again: a training
+    fault (exit 3), not a traceback (1, which the Slurm scripts requeue into the same blow-up)."""
+    try:
+        yield
+    except Exception as error:
+        if "loss scale already at minimum" not in str(error):
+            raise
+        raise TrainingFault(f"fp16 loss scale at its minimum and still overflowing at step {step}: stopping without "
+                            f"saving. Last good checkpoint: {last_checkpoint or 'none'}") from None  # fmt: skip
 
 
 def loss_scale_overflows(finite: bool, fp16: bool, overflows: int, step: int, last_checkpoint) -> int:
