@@ -228,37 +228,36 @@ def test_an_export_to_a_dangling_link_is_refused_before_any_work(tmp_path):
     check_output(tmp_path / "new", False, {"the checkpoint": tmp_path / "checkpoint-1"})  # a plain new path is fine
 
 
-def test_an_explicit_resume_older_than_the_directorys_newest_is_refused_unless_a_requeue_repeats_it(
-    tmp_path, monkeypatch
-):
+def test_an_explicit_resume_older_than_the_directorys_newest_is_refused_unless_this_job_saved_it(tmp_path, monkeypatch):
     """`--resume out/checkpoint-200` into a directory holding checkpoint-400 went back to step 200, and rotation
     (which keeps the highest steps) then deleted the new saves, so every later `--resume auto` went back to the
-    abandoned checkpoint-400. Refused now. A Slurm requeue of a job that started from another run's checkpoint
-    repeats that `--resume`: there it continues from the job's own newest, with a warning."""
+    abandoned checkpoint-400. Refused now, unless checkpoint-400 was saved by this very Slurm job: a requeue repeats
+    the job's arguments, its --resume too, and then continues from the job's own newest."""
     from types import SimpleNamespace
 
     from recipes.training.resume import resume_request
 
-    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     out, elsewhere = tmp_path / "out", tmp_path / "other_run"
     own, started_from = make_checkpoint(out, 200), make_checkpoint(elsewhere, 100)
     config = SimpleNamespace(output_dir=str(out), resume_from_checkpoint=str(own))
     assert resume_request(config) == str(own), "nothing later: as asked"
     make_checkpoint(out, 300, complete=False)  # a killed save is no later checkpoint
     assert resume_request(config) == str(own)
-    make_checkpoint(out, 400)
+    later = make_checkpoint(out, 400)
     with pytest.raises(CheckpointError) as refused:
         resume_request(config)
     said = str(refused.value)
     assert said.startswith(f"--resume {own}: {out} holds checkpoint-400, a later step") and "--resume auto" in said
-    config.resume_from_checkpoint = str(started_from)
-    with pytest.raises(CheckpointError, match="holds checkpoint-400"):
-        resume_request(config)  # a first start (or no Slurm): refused too
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    assert resume_request(config) == "auto"
-    config.resume_from_checkpoint = str(own)
-    with pytest.raises(CheckpointError, match="holds checkpoint-400"):
-        resume_request(config)  # going back inside the directory is never a requeue's doing
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    for requested in (started_from, own):  # from another run's checkpoint, or going back inside the directory
+        config.resume_from_checkpoint = str(requested)
+        with pytest.raises(CheckpointError, match="holds checkpoint-400"):
+            resume_request(config)  # checkpoint-400 is no save of job 77's (an abandoned run's, say)
+        manifest = json.loads((later / "manifest.json").read_text())
+        (later / "manifest.json").write_text(json.dumps({**manifest, "slurm_job_id": "77"}))
+        assert resume_request(config) == "auto", "job 77's requeue continues from its own newest"
+        (later / "manifest.json").write_text(json.dumps({**manifest, "slurm_job_id": "78"}))
     for word in ("auto", "none"):
         config.resume_from_checkpoint = word
         assert resume_request(config) == word

@@ -333,7 +333,8 @@ def _publish(accelerator, staging: Path, final: Path, step: int) -> Path:
     failure = ""
     if accelerator.is_main_process:
         try:  # a full disk here raised on the main process only, the others waiting in the barrier below
-            manifest = {"step": step, "world_size": accelerator.num_processes, "files": dict(sorted(files.items()))}
+            manifest = {"step": step, "world_size": accelerator.num_processes, "files": dict(sorted(files.items())),
+                        "slurm_job_id": os.environ.get("SLURM_JOB_ID")}  # fmt: skip
             atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=2))
             if final.exists():
                 shutil.rmtree(final)

@@ -181,18 +181,18 @@ def choose_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
 
 def resume_request(config: PretrainConfig) -> str:
     """`resume_from_checkpoint`, unless it names a checkpoint older than one output_dir already holds: refused, or,
-    for a Slurm requeue of the job that started from a checkpoint outside output_dir (a requeue repeats the job's
-    arguments), "auto" with a warning."""
+    when that newer checkpoint was saved by this very Slurm job (a requeue repeats the job's arguments, its --resume
+    too), "auto" with a warning."""
     requested = config.resume_from_checkpoint
     if requested in ("auto", "none"):
         return requested
     newer = checkpointing.newer_than_requested(config.output_dir, Path(requested))
     if newer is None:
         return requested
-    outside = Path(requested).resolve().parent != Path(config.output_dir).resolve()
-    if outside and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
-        logger.warning("resume: this job started from %s and has saved %s since; its requeue continues from that "
-                       "(the job's --resume is repeated at every start)", requested, newer.name)  # fmt: skip
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and checkpointing.read_manifest(newer).get("slurm_job_id") == job:
+        logger.warning("resume: this job (Slurm job %s) started from %s and has saved %s since; its requeue continues "
+                       "from that (a requeue repeats the job's --resume)", job, requested, newer.name)  # fmt: skip
         return "auto"
     raise checkpointing.CheckpointError(
         f"--resume {requested}: {config.output_dir} holds {newer.name}, a later step; continuing from the older one "
