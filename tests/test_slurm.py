@@ -260,6 +260,7 @@ def test_the_time_limits_signal_requeues_a_saved_run_only(tmp_path, code, requeu
         time.sleep(0.05)
     script.send_signal(signal.SIGUSR1)
     out, _ = script.communicate(timeout=60)
+    assert script.returncode == code, "the job ends with the ranks' code (not wait's 138 for the signal)"
     assert "time limit near: asking every rank to save" in out
     said = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
     assert said == ([job] if requeued else []), out

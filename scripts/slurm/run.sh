@@ -40,19 +40,19 @@ save_and_requeue() {
       tr "\0" "\n" < "/proc/$pid/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$2" && kill -USR1 "$pid"
     done
   ' signal "$RANK_PATTERN" "$SLURM_JOB_ID" || true
-  local code=0
-  wait "$training_pid" || code=$?
-  case $code in
+  trap_code=0
+  wait "$training_pid" || trap_code=$?
+  case $trap_code in
     0) scontrol requeue "$SLURM_JOB_ID" ;;  # saved and stopped (a run that finished meanwhile exports once more)
-    1|5) requeue_after_failure "$code" ;;
-    *) echo "$(date -Is) exit $code: not requeued (2 bad input, 3 training fault, 4 failed save: docs/run-safety.md)" ;;
+    1|5) requeue_after_failure "$trap_code" ;;
+    *) echo "$(date -Is) exit $trap_code: not requeued (2 bad input, 3 training fault, 4 failed save: docs/run-safety.md)" ;;
   esac
 }
 trap save_and_requeue USR1
 
-# Slurm's --requeue covers preemption and node failure, not exit codes. A hang ended by the watchdog (1) or a stalled
-# data source (5) is worth another start; at most PRETRAIN_FAILURE_REQUEUES of them per job (default 3, counted in
-# logs/), then the job ends failed for a person to look at. 2-4 fail the same way every time: never requeued.
+# Slurm's --requeue covers preemption and node failure, not exit codes. A hang ended by the watchdog or a crash (1) or a
+# stalled data source (5) is worth another start; at most PRETRAIN_FAILURE_REQUEUES of them per job (default 3, counted
+# in logs/), then the job ends failed for a person to look at. 2-4 fail the same way every time: never requeued.
 requeue_after_failure() {
   local count_file="logs/.failure-requeues-${SLURM_JOB_ID}" count limit=${PRETRAIN_FAILURE_REQUEUES:-3}
   count=$(cat "$count_file" 2>/dev/null || echo 0)
@@ -61,7 +61,8 @@ requeue_after_failure() {
     return
   fi
   echo $((count + 1)) > "$count_file"
-  echo "$(date -Is) exit $1 (1 a hang, 5 a stalled data source): requeueing job $SLURM_JOB_ID, failure $((count + 1)) of $limit"
+  echo "$(date -Is) exit $1 (1 a hang or a crash, 5 a stalled data source): requeueing job $SLURM_JOB_ID," \
+    "failure $((count + 1)) of $limit"
   scontrol requeue "$SLURM_JOB_ID"
 }
 
@@ -77,5 +78,7 @@ srun --kill-on-bad-exit=1 --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nod
 training_pid=$!
 code=0
 wait "$training_pid" || code=$?
+# after the time limit's signal, `wait` returned 128+10 and the trap has the ranks' own code
+[ -n "${trap_code:-}" ] && exit "$trap_code"
 case $code in 1|5) requeue_after_failure "$code" ;; esac
 exit "$code"
