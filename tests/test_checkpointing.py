@@ -282,3 +282,10 @@ def test_a_save_that_would_not_fit_is_found_before_any_rank_writes(tmp_path, mon
     assert space_problem(tmp_path) is None, "5 % of margin"
     (tmp_path / LATEST).write_text("checkpoint-300\n")  # a pointer to nothing complete: no figure to compare
     assert space_problem(tmp_path) is None
+
+    def stale_handle(_):
+        raise OSError(116, "Stale file handle")
+
+    monkeypatch.setattr(shutil, "disk_usage", stale_handle)
+    (tmp_path / LATEST).write_text("checkpoint-100\n")
+    assert space_problem(tmp_path) is None, "an error on one rank must not leave it out of the all-reduce"

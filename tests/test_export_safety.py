@@ -140,6 +140,7 @@ def test_a_killed_exports_staging_is_removed_at_the_next_start(run, trained_run)
     removes it unless an export still holds its lock; the next export to the same output removes its own. A killed
     save's `.checkpoint-N.tmp` goes at the next start too (with the space a save needs, the next save would fail)."""
     from recipes.training.checkpointing import export_staging
+    from recipes.training.output_dir import lock as lock_output_dir
     from recipes.training.output_dir import prepare
 
     run_dir, checkpoint, _ = run
@@ -154,9 +155,12 @@ def test_a_killed_exports_staging_is_removed_at_the_next_start(run, trained_run)
     (killed_save / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x" * 4096)
     config = copy.deepcopy(trained_run["config"])  # the session's: not to be changed
     config.output_dir = str(run_dir)
+    held = lock_output_dir(config)  # as a start takes it: the killed save's staging goes now, before any conversion
+    assert not killed_save.exists()
     with FileLock(beside_lock, what="a live export"):  # an export beside the checkpoints, still at work
         prepare(config, {}, AutoTokenizer.from_pretrained(trained_run["corpus"]["tokenizer"]))
-    assert not staging.exists() and beside.exists() and not killed_save.exists()
+    held.release()
+    assert not staging.exists() and beside.exists()
     elsewhere = run_dir.parent / "model"
     export_staging(elsewhere)[0].mkdir()
     result = export(checkpoint, "--output", elsewhere)

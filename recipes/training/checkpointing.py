@@ -306,12 +306,13 @@ def space_problem(output_dir: Path, margin: float = 1.05) -> str | None:
     """Why the next save would not fit: the free space against the newest complete checkpoint's size (None: it fits,
     or there is none yet). Checked by every rank before any writes: a disk that filled on some ranks only left those
     in the failure's all-reduce and the others in DeepSpeed's barrier, a hang instead of exit 4."""
-    latest = output_dir / LATEST
-    newest = output_dir / latest.read_text().strip() if latest.is_file() else None
-    if newest is None or manifest_problems(newest):
-        return None
-    needed = sum(entry["bytes"] for entry in read_manifest(newest)["files"].values()) * margin
-    free = shutil.disk_usage(output_dir).free
+    try:  # every rank answers: an error here on one rank alone would leave the others in the all-reduce
+        latest = output_dir / LATEST
+        newest = output_dir / latest.read_text().strip() if latest.is_file() else None
+        needed = sum(entry["bytes"] for entry in read_manifest(newest)["files"].values()) * margin if newest else 0
+        free = shutil.disk_usage(output_dir).free
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # nothing to go by: the save itself says what is wrong
     if free >= needed:
         return None
     size_gb = needed / margin / 1e9

@@ -37,6 +37,9 @@ def lock(config: PretrainConfig) -> DirectoryLock | None:
             raise ConfigError(f"output_dir: {error}") from None
         if held.took_over:
             logger.warning("output_dir: took over the lock of a dead run (%s)", describe(held.took_over))
+        # now, before an elastic conversion writes ~1 TB beside them at 70B
+        for staging, size in remove_stale_checkpoint_staging(Path(config.output_dir)):
+            logger.warning("removed %s (%.1f GB), left by a save that was killed", staging, size / 1e9)
         return held
 
     return on_main_process(take, catch=(ConfigError,))
@@ -98,8 +101,6 @@ def prepare(config: PretrainConfig, ds_config: dict, tokenizer) -> None:
     for staging, size in remove_stale_export_staging(output_dir):
         logger.warning("removed %s (%.1f GB), left by an export that was killed (final/ or one beside the "
                        "checkpoints)", staging, size / 1e9)  # fmt: skip
-    for staging, size in remove_stale_checkpoint_staging(output_dir):
-        logger.warning("removed %s (%.1f GB), left by a save that was killed", staging, size / 1e9)
     with disk_errors_named(output_dir):
         checkpointing.write_resolved_config(output_dir, config.to_dict())
         (output_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, default=str))
