@@ -89,6 +89,9 @@ def test_the_trained_order_is_shuffled_each_epoch_and_a_seek_continues_it(tmp_pa
     assert [row for _ in range(3) for row in resumed.take(1)[0].tolist()] == second[40:52]
     assert whole >= 52
     assert epoch_rows(data("--data_seed", "7")) != first
+    with_workers = data("--dataloader_num_workers", "2")  # the epoch reaches the forked workers
+    assert epoch_rows(with_workers) == first and epoch_rows(with_workers) == second
+    with_workers.close()
 
 
 def test_a_checkpoint_from_before_the_order_was_recorded_is_continued_only_in_corpus_order():
@@ -98,6 +101,8 @@ def test_a_checkpoint_from_before_the_order_was_recorded_is_continued_only_in_co
     assert identity_changes(saved, {"text_field": "text", "train_order": {"shuffled": False}}) == []
     changes = identity_changes(saved, {"text_field": "text", "train_order": {"shuffled": True, "data_seed": 42}})
     assert changes == [
-        "train_order.data_seed: null -> 42 (shuffle_train_rows / data_seed (the order the rows are trained in))",
-        "train_order.shuffled: false -> true (shuffle_train_rows / data_seed (the order the rows are trained in))",
+        "train_order.data_seed: null -> 42 (shuffle_train_rows / data_seed, or seed when data_seed is null (the order "
+        "of the rows))",
+        "train_order.shuffled: false -> true (shuffle_train_rows / data_seed, or seed when data_seed is null (the "
+        "order of the rows))",
     ]

@@ -11,8 +11,6 @@ world size continues exactly as before.
 
 from __future__ import annotations
 
-import functools
-
 MASK64 = (1 << 64) - 1
 ROUNDS = 6
 
@@ -35,15 +33,16 @@ class RowOrder:
         bits = max(2, (num_rows - 1).bit_length())
         self.half_bits = (bits + 1) // 2
         self.mask = (1 << self.half_bits) - 1
+        self._round_keys: dict[int, tuple[int, ...]] = {}  # by epoch
 
-    @functools.lru_cache(maxsize=8)  # noqa: B019 (a few epochs per object, objects live as long as the run)
     def _keys(self, epoch: int) -> tuple[int, ...]:
-        key = mix64(mix64(self.seed & MASK64) ^ epoch)
-        keys = []
-        for _ in range(ROUNDS):
-            key = mix64(key)
-            keys.append(key)
-        return tuple(keys)
+        if epoch not in self._round_keys:
+            key, keys = mix64(mix64(self.seed & MASK64) ^ epoch), []
+            for _ in range(ROUNDS):
+                key = mix64(key)
+                keys.append(key)
+            self._round_keys[epoch] = tuple(keys)
+        return self._round_keys[epoch]
 
     def __call__(self, position: int, epoch: int = 0) -> int:
         if not 0 <= position < self.num_rows:

@@ -36,7 +36,7 @@ RUN_DEFINING = {
     "tokenizer_sha256": "tokenizer_name_or_path (the tokenizer's content)",
     "train_data": "train_files / train_mixture (the data's identity)",
     "text_field": "text_field",
-    "train_order": "shuffle_train_rows / data_seed (the order the rows are trained in)",
+    "train_order": "shuffle_train_rows / data_seed, or seed when data_seed is null (the order of the rows)",
 }
 # What checkpoints from before the order was recorded trained in (and raw text always is)
 CORPUS_ORDER = {"shuffled": False}
