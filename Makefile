@@ -1,6 +1,6 @@
 # The two commands of the README. Both create .venv and install the package into it first.
 #   make demo   tiny Llama on the real 2-process DeepSpeed ZeRO-3 path, on the CPU (~5 min)
-#   make test   lint + the whole test suite on 2 pytest-xdist workers (~16 min on 2 cores: docs/testing.md)
+#   make test   lint + the whole test suite on 2 pytest-xdist workers (~17 min on 2 cores: docs/testing.md)
 #   make test-fast   lint + the tests that start no training launch (~2 min), before every commit
 #   make gpu-check [DRY_RUN=1]   the recipe's CUDA path measured on one GPU (docs/gpu-results.md)
 
@@ -55,7 +55,7 @@ lint: install
 # Two pytest-xdist workers, each given a whole test file at a time (--dist loadfile), so that a file's fixtures (the
 # Slurm cluster, a module's reference run) are built once; the session's shared runs are built once for both
 # (tests/conftest.py: built_once). A launch spends much of its time waiting (process start and teardown, a hang
-# timeout, Slurm's requeue delay), which the other worker fills: on 2 cores the suite took 15-16 minutes of tests
+# timeout, Slurm's requeue delay), which the other worker fills: on 2 cores the suite took 15-17 minutes of tests
 # on the last fresh clones (docs/testing.md). PYTEST_WORKERS=0 runs it in one process. The 25 slowest tests are listed at the end.
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL = $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)

@@ -289,3 +289,23 @@ def test_a_save_that_would_not_fit_is_found_before_any_rank_writes(tmp_path, mon
     monkeypatch.setattr(shutil, "disk_usage", stale_handle)
     (tmp_path / LATEST).write_text("checkpoint-100\n")
     assert space_problem(tmp_path) is None, "an error on one rank must not leave it out of the all-reduce"
+
+
+def test_every_rank_resumes_from_the_checkpoint_the_main_process_sees(tmp_path):
+    """A node whose file system lags behind (NFS attribute caching after a requeue) did not list the checkpoint saved
+    just before the crash: its ranks picked the previous one while the others loaded the newest, different steps in
+    one run. Every rank now goes by the main process's listing and manifests."""
+    main_view, lagging_view = tmp_path / "main", tmp_path / "lagging"
+    for step in (100, 200):
+        make_checkpoint(main_view, step)
+    make_checkpoint(lagging_view, 100)
+    seen_by_main = [find_resume_checkpoint(main_view, "auto")]
+    views = iter([list(reversed(sorted(main_view.glob("checkpoint-*")))), []])  # the listing, then checkpoint-200's
+
+    def from_main(value):
+        return next(views)
+
+    verified = []
+    path, _ = find_resume_checkpoint(lagging_view, "auto", lambda p: verified.append(p) or [], from_main)
+    assert path == seen_by_main[0][0] == main_view / "checkpoint-200" and verified == [path]
+    assert find_resume_checkpoint(lagging_view, "auto")[0].name == "checkpoint-100", "what it picked on its own"

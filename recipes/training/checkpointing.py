@@ -209,16 +209,16 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 
 def find_resume_checkpoint(
-    output_dir: str | Path, resume: str, verify: Callable[[Path], list[str]] = verify_checksums
+    output_dir: str | Path, resume: str, verify: Callable[[Path], list[str]] = verify_checksums, agree=lambda x: x
 ) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from, and notes on what was passed over.
 
     `resume` is "auto" (the newest complete checkpoint of output_dir whose files match their checksums; none is
     fine), "none", or a path (which must be complete and match, else CheckpointError). `verify` re-hashes a
-    candidate (the training launch passes one that splits the work over its ranks)."""
+    candidate (split over the ranks); `agree` gives every rank the main process's view (a lagging node's differs)."""
     notes = []
-    for path in resume_candidates(output_dir, resume):
-        problems = manifest_problems(path) if path.is_dir() else [f"{path} does not exist"]
+    for path in agree(resume_candidates(output_dir, resume)):
+        problems = agree(manifest_problems(path) if path.is_dir() else [f"{path} does not exist"])
         problems = problems or verify(path)
         if not problems:
             return path, notes

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from common.collectives import on_main_process
 from common.files import fingerprint, sha256_of
 from data_prep.packing.format import MANIFEST as DATA_MANIFEST
 from data_prep.packing.format import is_preprocessed, tokenizer_identity
@@ -170,8 +171,13 @@ def choose_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
         logger.info("resume: verified %s (%.2f GB) in %.1f s", path.name, size_gb, time.perf_counter() - started)
         return problems
 
-    resume = resume_request(config)
-    path, notes = checkpointing.find_resume_checkpoint(config.output_dir, resume, verify)
+    def agree(value):  # the main process's view of output_dir, on every rank (a collective)
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value])[0] if accelerator.num_processes > 1 else value
+
+    resume = agree(on_main_process(lambda: resume_request(config), catch=(CheckpointError,)))
+    path, notes = checkpointing.find_resume_checkpoint(config.output_dir, resume, verify, agree)
     for note in notes:
         logger.warning("resume: %s", note)
     if path is None:
