@@ -90,41 +90,37 @@ def test_a_bad_input_through_the_launcher_is_one_line_and_exit_2(tmp_path, corpu
     assert last.startswith("launch: exit 2 (bad input); the ranks' codes: rank ") and last.endswith(": 2"), last
 
 
+def terminated_once_logged(tmp_path, corpus, output_dir, line: str) -> str:
+    """The log of a wrapped run of the tiny recipe sent SIGTERM as soon as it logs `line`, which must exit 0."""
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        job = start(wrapped(tiny_overrides(corpus, output_dir, **{**REFERENCE_RUN, "max_steps": 400})), stdout=log,
+                    stderr=log)  # fmt: skip
+        deadline = time.time() + 300
+        while line not in log_path.read_text() and time.time() < deadline:
+            assert job.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.02)
+        job.terminate()
+        assert job.wait(timeout=180) == 0, log_path.read_text()[-3000:]
+    return log_path.read_text()
+
+
 @pytest.mark.multiprocess
 def test_sigterm_to_the_launch_saves_and_exits_0(tmp_path, corpus):
     """A run started without Slurm and stopped with `kill PID` (of what was started): the ranks save and the launch
     exits 0 (bare `accelerate launch` exits 143, and its torchrun SIGKILLs the ranks 30 s after the signal)."""
     output_dir = tmp_path / "run"
-    log_path = tmp_path / "log.txt"
-    with open(log_path, "w") as log:
-        job = start(wrapped(tiny_overrides(corpus, output_dir, **{**REFERENCE_RUN, "max_steps": 400})), stdout=log,
-                    stderr=log)  # fmt: skip
-        deadline = time.time() + 300
-        while "INFO pretrain: loss" not in log_path.read_text() and time.time() < deadline:
-            assert job.poll() is None, log_path.read_text()[-3000:]
-            time.sleep(0.1)
-        job.terminate()
-        assert job.wait(timeout=120) == 0, log_path.read_text()[-3000:]
-    log = log_path.read_text()
+    log = terminated_once_logged(tmp_path, corpus, output_dir, "INFO pretrain: loss")
     assert "launch: SIGTERM: asked" in log and "stop signal (SIGTERM/SIGUSR1): saved and exited" in log
     assert (output_dir / "latest").read_text().startswith("checkpoint-") and (output_dir / "run_summary.json").exists()
 
 
+@pytest.mark.multiprocess
 def test_a_stop_signal_during_the_start_ends_the_run_cleanly_with_nothing_to_save(tmp_path, corpus):
     """At 70B a start takes minutes to half an hour (checksums, an elastic conversion, the model); a stop signal in that
     time killed the ranks (exit 1, a crash to a scheduler). It now waits for the first step boundary: the run stops
     there, having trained nothing, saves nothing, and exits 0."""
     output_dir = tmp_path / "run"
-    log_path = tmp_path / "log.txt"
-    with open(log_path, "w") as log:
-        job = start(wrapped(tiny_overrides(corpus, output_dir, **{**REFERENCE_RUN, "max_steps": 400})), stdout=log,
-                    stderr=log)  # fmt: skip
-        deadline = time.time() + 300
-        while "INFO pretrain: preflight" not in log_path.read_text() and time.time() < deadline:
-            assert job.poll() is None, log_path.read_text()[-3000:]
-            time.sleep(0.02)
-        job.terminate()  # while the ranks check their inputs, before the model is built
-        assert job.wait(timeout=180) == 0, log_path.read_text()[-3000:]
-    log = log_path.read_text()
+    log = terminated_once_logged(tmp_path, corpus, output_dir, "INFO pretrain: preflight")  # before the model is built
     assert "launch: SIGTERM: asked" in log and "training stopped after 0 steps" in log, log[-3000:]
     assert not re.search(r"INFO pretrain: loss \d", log) and not list(output_dir.glob("checkpoint-*"))

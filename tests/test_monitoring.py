@@ -118,7 +118,6 @@ def test_the_alerts_tell_a_finished_run_from_a_dead_one(tmp_path):
     one served 3 (a non-finite loss), one was killed at -1. Evaluated by promtool's rule tests: only the killed and the
     failed one page as an endpoint down, and the failed one as a failed run (a finished run used to page as dead)."""
     import shutil
-    import subprocess
 
     import yaml
 
@@ -154,12 +153,7 @@ def test_the_alerts_tell_a_finished_run_from_a_dead_one(tmp_path):
          "exp_alerts": [expected("PretrainRunFailed", "failed", "3")]},
         {"eval_time": "5m", "alertname": "PretrainEndpointDown", "exp_alerts": []},  # all three alive
     ]  # fmt: skip
-    unit = {"rule_files": [str(REPO / "monitoring/alerts.yml")], "evaluation_interval": "1m",
-            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": checks}]}  # fmt: skip
-    (tmp_path / "alerts_test.yml").write_text(yaml.safe_dump(unit))
-    tested = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts_test.yml")], capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
-    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+    assert_rules_behave(tmp_path, series, checks)
 
 
 def test_hours_of_benchmarks_without_a_step_are_not_a_stuck_run(tmp_path):
@@ -167,11 +161,6 @@ def test_hours_of_benchmarks_without_a_step_are_not_a_stuck_run(tmp_path):
     every evaluation. The endpoint says when benchmarks run; a run with no step and no benchmarks still pages. Evaluated
     by promtool's rule tests."""
     import shutil
-    import subprocess
-
-    import yaml
-
-    from tests.conftest import REPO
 
     if shutil.which("promtool") is None:
         pytest.skip("promtool not installed; .ci/run installs Debian's prometheus")
@@ -192,6 +181,17 @@ def test_hours_of_benchmarks_without_a_step_are_not_a_stuck_run(tmp_path):
               for minutes in (180, 290, 400)]  # fmt: skip
     checks.append({"eval_time": "460m", "alertname": "PretrainNoOptimizerStep",
                    "exp_alerts": [paged("evaluating"), paged("stuck")]})  # fmt: skip
+    assert_rules_behave(tmp_path, series, checks)
+
+
+def assert_rules_behave(tmp_path, series: list[dict], checks: list[dict]) -> None:
+    """promtool's rule unit test of monitoring/alerts.yml: `series` scraped every minute, `checks` its alert tests."""
+    import subprocess
+
+    import yaml
+
+    from tests.conftest import REPO
+
     unit = {"rule_files": [str(REPO / "monitoring/alerts.yml")], "evaluation_interval": "1m",
             "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": checks}]}  # fmt: skip
     (tmp_path / "alerts_test.yml").write_text(yaml.safe_dump(unit))

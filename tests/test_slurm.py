@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -162,23 +163,36 @@ def test_a_node_lost_mid_run_is_survived_unattended_and_the_run_grows_back(slurm
     assert "world size changes (global batch kept): step " in (output_dir / "report.md").read_text()
 
 
-def test_the_scripts_forward_every_argument_intact(tmp_path):
-    """With a fake srun, scontrol and python on PATH: the overrides reach the launch word for word, through the
-    wrapper that exits with the ranks' own code (recipes.launch)."""
+def fake_slurm(tmp_path: Path, python_body: str, **env: str) -> dict[str, str]:
+    """The environment of a batch script run outside Slurm: srun, scontrol and python stand-ins on PATH (srun runs its
+    command, scontrol knows one node n1 and records `requeue JOB` in tmp_path/requeued, python runs recipes.nodes and
+    otherwise `python_body`)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fakes = {
         "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n',
-        "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show hostnames" ]; then echo n1; else echo "NodeName=n1 '
-        'NodeAddr=10.1.2.3 State=IDLE"; fi\n',
-        "python": f'#!/usr/bin/env bash\n[ "$2" = recipes.nodes ] && exec {sys.executable} "$@"\n'
-        f'{sys.executable} -c \'import json, sys; print(json.dumps(sys.argv[1:]))\' '
-        f'"$@" > {tmp_path}/argv.json\n',
+        "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show hostnames" ]; then echo n1; elif [ "$1" = requeue ]; '
+        f'then echo "$2" >> {tmp_path}/requeued; else echo "NodeName=n1 NodeAddr=10.1.2.3 State=IDLE"; fi\n',
+        "python": f'#!/usr/bin/env bash\n[ "$2" = recipes.nodes ] && exec {sys.executable} "$@"\n{python_body}\n',
     }  # fmt: skip
     for name, text in fakes.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "7"}
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1", **env}
+
+
+def requeued(tmp_path: Path) -> list[str]:
+    """The jobs the fake scontrol was asked to requeue."""
+    return (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
+
+
+def test_the_scripts_forward_every_argument_intact(tmp_path):
+    """With a fake srun, scontrol and python on PATH: the overrides reach the launch word for word, through the
+    wrapper that exits with the ranks' own code (recipes.launch)."""
+    record_argv = (
+        f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" > {tmp_path}/argv.json"
+    )
+    env = fake_slurm(tmp_path, record_argv, SLURM_JOB_ID="7")
     one_node = REPO / "scripts/slurm/llama70b_1x8.sbatch"
     subprocess.run(["bash", str(one_node), "--note", "a  b"], cwd=REPO, env={**env, "SLURM_JOB_NUM_NODES": "1"},
                    check=True, timeout=60)  # fmt: skip
@@ -203,24 +217,14 @@ def test_the_scripts_forward_every_argument_intact(tmp_path):
     assert "#SBATCH --nodes=1-2" in script.read_text() and "#SBATCH --spread-job" in script.read_text()
 
 
-@pytest.mark.parametrize(("code", "requeued"), [(0, False), (1, True), (2, False), (3, False), (4, False), (5, True)])
-def test_a_hang_or_a_stalled_data_source_is_requeued_and_a_bad_input_never_is(tmp_path, code, requeued):
+@pytest.mark.parametrize(("code", "should_requeue"),
+                         [(0, False), (1, True), (2, False), (3, False), (4, False), (5, True)])  # fmt: skip
+def test_a_hang_or_a_stalled_data_source_is_requeued_and_a_bad_input_never_is(tmp_path, code, should_requeue):
     """Slurm's --requeue covers preemption and node failure, not exit codes: the docs promised a requeue after the hang
     watchdog's exit 1 that nothing did. The script requeues after 1 and 5 (at most PRETRAIN_FAILURE_REQUEUES times
     a job), never after 2-4, and exits with the ranks' code. With a fake srun, scontrol and python on PATH."""
-    bin_dir, job = tmp_path / "bin", f"test{os.getpid()}{code}"
-    bin_dir.mkdir()
-    fakes = {
-        "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n',
-        "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show hostnames" ]; then echo n1; elif [ "$1" = requeue ]; '
-        f'then echo "$2" >> {tmp_path}/requeued; else echo "NodeName=n1 NodeAddr=10.1.2.3 State=IDLE"; fi\n',
-        "python": f'#!/usr/bin/env bash\n[ "$2" = recipes.nodes ] && exec {sys.executable} "$@"\nexit {code}\n',
-    }  # fmt: skip
-    for name, text in fakes.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": job,
-           "SLURM_JOB_NUM_NODES": "1", "PRETRAIN_FAILURE_REQUEUES": "2"}  # fmt: skip
+    job = f"test{os.getpid()}{code}"
+    env = fake_slurm(tmp_path, f"exit {code}", SLURM_JOB_ID=job, SLURM_JOB_NUM_NODES="1", PRETRAIN_FAILURE_REQUEUES="2")
     counter = REPO / "logs" / f".failure-requeues-{job}"
     try:
         runs = [subprocess.run(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env, capture_output=True,
@@ -228,31 +232,19 @@ def test_a_hang_or_a_stalled_data_source_is_requeued_and_a_bad_input_never_is(tm
     finally:
         counter.unlink(missing_ok=True)
     assert [run.returncode for run in runs] == [code] * 3
-    said = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
-    assert said == ([job, job] if requeued else []), "requeued after a hang or a stall, twice at most"
-    if requeued:
+    assert requeued(tmp_path) == ([job, job] if should_requeue else []), "after a hang or a stall, twice at most"
+    if should_requeue:
         assert "failure 1 of 2" in runs[0].stdout and "failure 2 of 2" in runs[1].stdout
         assert f"not requeued: job {job} was requeued after 2 failure(s) already" in runs[2].stdout
 
 
-@pytest.mark.parametrize(("code", "requeued"), [(0, True), (2, False), (4, False)])
-def test_the_time_limits_signal_requeues_a_saved_run_only(tmp_path, code, requeued):
+@pytest.mark.parametrize(("code", "should_requeue"), [(0, True), (2, False), (4, False)])
+def test_the_time_limits_signal_requeues_a_saved_run_only(tmp_path, code, should_requeue):
     """USR1 ten minutes before the time limit: the script waits for the ranks and requeued the job whatever they
     exited with (a bad input found then came back every start). Now only a clean save (0) is requeued."""
-    bin_dir, job = tmp_path / "bin", f"test{os.getpid()}usr1{code}"
-    bin_dir.mkdir()
-    fakes = {
-        "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n',
-        "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show hostnames" ]; then echo n1; elif [ "$1" = requeue ]; '
-        f'then echo "$2" >> {tmp_path}/requeued; else echo "NodeName=n1 NodeAddr=10.1.2.3 State=IDLE"; fi\n',
-        "python": f'#!/usr/bin/env bash\n[ "$2" = recipes.nodes ] && exec {sys.executable} "$@"\n'
-        f"touch {tmp_path}/started; sleep 3; exit {code}\n",
-    }  # fmt: skip
-    for name, text in fakes.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": job,
-           "SLURM_JOB_NUM_NODES": "1"}  # fmt: skip
+    job = f"test{os.getpid()}usr1{code}"
+    env = fake_slurm(tmp_path, f"touch {tmp_path}/started; sleep 3; exit {code}", SLURM_JOB_ID=job,
+                     SLURM_JOB_NUM_NODES="1")  # fmt: skip
     script = subprocess.Popen(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.time() + 30
@@ -262,9 +254,8 @@ def test_the_time_limits_signal_requeues_a_saved_run_only(tmp_path, code, requeu
     out, _ = script.communicate(timeout=60)
     assert script.returncode == code, "the job ends with the ranks' code (not wait's 138 for the signal)"
     assert "time limit near: asking every rank to save" in out
-    said = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
-    assert said == ([job] if requeued else []), out
-    if not requeued:
+    assert requeued(tmp_path) == ([job] if should_requeue else []), out
+    if not should_requeue:
         assert f"exit {code}: not requeued" in out
 
 

@@ -117,8 +117,7 @@ def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
             continue
         try:  # held while removing, as an export holds it: one starting meanwhile is refused, not removed under
             with FileLock(lock, what="a starting run removing a killed export's staging"):
-                size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
-                shutil.rmtree(staging, ignore_errors=True)
+                size = remove_tree(staging)
         except LockedError:  # an export at work
             continue
         removed.append((staging, size))
@@ -131,10 +130,15 @@ def remove_stale_checkpoint_staging(output_dir: Path) -> list[tuple[Path, int]]:
     bytes."""
     removed = []
     for staging in sorted(output_dir.glob(".checkpoint-*.tmp")):
-        size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
-        shutil.rmtree(staging, ignore_errors=True)
-        removed.append((staging, size))
+        removed.append((staging, remove_tree(staging)))
     return removed
+
+
+def remove_tree(directory: Path) -> int:
+    """Remove `directory`; returns the bytes its files held (for the warning that says what went)."""
+    size = sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+    shutil.rmtree(directory, ignore_errors=True)
+    return size
 
 
 def keep_tokenizer(output_dir: Path, tokenizer, loaded_from: str) -> None:
