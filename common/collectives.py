@@ -67,3 +67,13 @@ def on_every_rank(check, catch: tuple[type[Exception], ...]) -> None:
         if found is not None:
             error_type, message = found
             raise error_type(message)
+
+
+def main_process_view(read):
+    """`read()` on global rank 0, its answer on every rank (a collective). For decisions made from the file system
+    that are followed by a collective on some branches only: a node whose network file system lags (attribute
+    caching after a requeue) would otherwise take the other branch and leave the rest waiting."""
+    answer = [read() if not _distributed() or dist.get_rank() == 0 else None]
+    if _distributed():
+        dist.broadcast_object_list(answer, src=0)
+    return answer[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 from collections.abc import Callable
@@ -22,6 +23,7 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+        sync_directory(path.parent)  # the rename itself survives a power loss only once its directory is synced
     except BaseException:
         with contextlib.suppress(OSError):
             temporary.unlink()
@@ -32,9 +34,41 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
-def sha256_of(path: str | Path, chunk_bytes: int = 1 << 24) -> str:
+def sync_directory(path: str | Path) -> None:
+    """fsync a directory, so that the names created, renamed or removed in it are on storage. A file system that
+    cannot sync a directory (EINVAL: some FUSE and network mounts) makes each operation durable itself; a real I/O
+    error is raised."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def sync_tree(root: str | Path, recursive: bool = True, files: bool = False) -> None:
+    """fsync `root` and, with `recursive`, every directory under it, deepest first (and, with `files`, every file
+    first): a staging tree's contents before it is renamed into place and vouched for."""
+    root = Path(root)
+    below = list(root.rglob("*")) if recursive else []
+    for path in below if files else []:
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    directories = [path for path in below if path.is_dir()]
+    for directory in sorted(directories, key=lambda path: len(path.parts), reverse=True) + [root]:
+        sync_directory(directory)
+
+
+def sha256_of(path: str | Path, chunk_bytes: int = 1 << 24, sync: bool = False) -> str:
+    """The file's sha256; with `sync`, its written pages are flushed to storage first (fsync works on a descriptor
+    opened for reading), so that what the checksum vouches for is what a power loss leaves."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
+        if sync:
+            os.fsync(handle.fileno())
         while chunk := handle.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()

@@ -37,10 +37,10 @@ from common.process import peak_rss_bytes
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.files import atomic_write_text
+from common.files import atomic_write_text, sync_directory, sync_tree
 from common.lock import FileLock, LockedError
 from recipes.config import ConfigError, PretrainConfig, config_from_dict
-from recipes.training import checkpointing
+from recipes.training import checkpointing, universal
 
 if TYPE_CHECKING:
     from recipes.training.run_state import Stop, StopSignals
@@ -88,7 +88,7 @@ def export_checkpoint(
     if (checkpoint / "export.json").is_file() and (checkpoint / "config.json").is_file():
         raise ConfigError(f"{checkpoint} is an exported model directory already (export.json): use it as it is")
     problems = checkpointing.manifest_problems(checkpoint) if checkpoint.is_dir() else [f"{checkpoint} does not exist"]
-    universal_only = checkpointing.has_universal(checkpoint)
+    universal_only = universal.has_universal(checkpoint)
     if universal_only:  # the rank shards may have been deleted once converted
         problems = [problem for problem in problems if f"{checkpoint / 'pytorch_model'}/" not in problem]
     if problems:
@@ -229,9 +229,11 @@ def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, 
         }
         atomic_write_text(staging / "export.json", json.dumps(source, indent=2))
         with_umask_modes(staging)
+        sync_tree(staging, files=True)  # on storage before it takes the name an evaluation or a copy trusts
         if output.exists():
             shutil.rmtree(output)
         os.replace(staging, output)
+        sync_directory(output.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
     return output
@@ -272,7 +274,7 @@ def _write_weights(checkpoint: Path, staging: Path, dtype: str, max_shard_size: 
             str(checkpoint), str(staging), dtype=dtype, max_shard_size=max_shard_size, safe_serialization=True,
             tag="pytorch_model",
         )  # fmt: skip
-    elif checkpointing.has_universal(checkpoint):
+    elif universal.has_universal(checkpoint):
         zero_dir = checkpoint / checkpointing.UNIVERSAL_DIR / "pytorch_model" / "zero"
         _write_universal_weights(zero_dir, staging, dtype, max_shard_size, _parameter_shapes(model_config))
     else:

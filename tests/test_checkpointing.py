@@ -1,6 +1,7 @@
 """Checkpoint selection, validation and rotation on directories made here (no training needed)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -309,3 +310,80 @@ def test_every_rank_resumes_from_the_checkpoint_the_main_process_sees(tmp_path):
     path, _ = find_resume_checkpoint(lagging_view, "auto", lambda p: verified.append(p) or [], from_main)
     assert path == seen_by_main[0][0] == main_view / "checkpoint-200" and verified == [path]
     assert find_resume_checkpoint(lagging_view, "auto")[0].name == "checkpoint-100", "what it picked on its own"
+
+
+class OneRankSaving:
+    """The part of an Accelerator a save uses, for one process; `save_state` writes shards as DeepSpeed lays them out."""
+
+    device, process_index, num_processes, is_main_process = "cpu", 0, 1, True
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+    def save_state(self, directory: str) -> None:
+        shards = Path(directory) / "pytorch_model"
+        shards.mkdir(parents=True)
+        for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            (shards / name).write_bytes(b"shard")
+        (Path(directory) / "random_states_0.pkl").write_bytes(b"rng")
+
+
+def test_a_checkpoint_is_on_storage_before_its_manifest_vouches_for_it(tmp_path, monkeypatch):
+    """Nothing was synced: after a power loss the rename and the manifest could reach the disk before the shards'
+    pages did, a published checkpoint of empty files (caught at resume by the checksums, but with the older
+    checkpoints already rotated away). Each rank now syncs its files as it hashes them, the main process every
+    directory before the manifest, and output_dir after the rename."""
+    import os
+
+    from recipes.training.checkpointing import save_checkpoint
+
+    synced = []
+    real_fsync = os.fsync
+
+    def record(descriptor):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{descriptor}")))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", record)
+    final = save_checkpoint(OneRankSaving(), tmp_path, 7, {"run_state": {}}, {"config.yaml": "a: 1\n"})
+    assert final == tmp_path / "checkpoint-7" and manifest_problems(final) == [] and verify_checksums(final) == []
+    staging = tmp_path / ".checkpoint-7.tmp"
+    manifest_at = synced.index(staging / ".manifest.json.tmp")
+    before = set(synced[:manifest_at])
+    written = [staging / path.relative_to(final) for path in final.rglob("*") if path.name != "manifest.json"]
+    assert written and all(path in before for path in written), "every file and directory, before the manifest"
+    assert staging in before and synced[-1] == tmp_path, "the rename and `latest` are made durable last"
+
+
+def _convert_where_views_differ(rank, checkpoint, outcome_dir):
+    """ensure_universal on a node that sees universal/ (rank 0) and one whose file system lags (rank 1)."""
+    import torch.distributed as dist
+
+    from recipes.training import elastic, universal
+
+    universal.has_universal = lambda path: rank == 0
+
+    class Rank:
+        is_main_process = rank == 0
+
+        def wait_for_everyone(self) -> None:
+            dist.barrier()
+
+    def verify(path):  # a collective, as the resume's re-hash is
+        shares = [None, None]
+        dist.all_gather_object(shares, [])
+        return [problem for share in shares for problem in share]
+
+    elastic.ensure_universal(Path(checkpoint), Rank(), verify)
+    (Path(outcome_dir) / f"rank-{rank}-returned").touch()
+
+
+@pytest.mark.multiprocess
+def test_a_lagging_node_takes_the_main_process_view_of_a_universal_conversion(tmp_path):
+    """Each rank asked its own file system whether the checkpoint had a universal/, and the answer chose between a
+    collective re-hash and a barrier: a node whose NFS view lagged took the other branch (a hang, or gloo's
+    mismatched-collective error). Every rank now takes the main process's answer."""
+    from gloo_ranks import on_ranks
+
+    on_ranks(_convert_where_views_differ, 2, tmp_path, str(tmp_path / "checkpoint-6"), str(tmp_path), timeout_s=20)
+    assert sorted(path.name for path in tmp_path.glob("rank-*")) == ["rank-0-returned", "rank-1-returned"]

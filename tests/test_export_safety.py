@@ -236,3 +236,23 @@ def test_a_tokenizer_trained_again_into_the_runs_directory_is_refused_and_a_live
     assert f"tokenizer_name_or_path {replaced} no longer holds the tokenizer this run trained with" in caplog.text
     assert len(AutoTokenizer.from_pretrained(checkpoint.parent / "final")) == len(original) == 1024
     assert recorded, "the run's record is written after the export"
+
+
+def test_an_export_is_on_storage_before_it_takes_its_name(run, tmp_path, monkeypatch):
+    """An export was renamed into place unsynced: after a power loss an evaluation could load `model/` whose weights
+    never reached the disk. Every file and directory of the staging tree is synced before the rename, and the
+    parent directory after it."""
+    _, checkpoint, _ = run
+    synced, real_fsync = [], os.fsync
+
+    def record(descriptor):
+        synced.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", record)
+    output = export_checkpoint(checkpoint, tmp_path / "model")
+    staging = tmp_path / ".model.tmp"
+    written = [str(staging / path.relative_to(output)) for path in output.rglob("*")]
+    staging_synced_last = len(synced) - 1 - synced[::-1].index(str(staging))
+    assert written and set(written) <= set(synced[:staging_synced_last]), "files first, then the directory"
+    assert synced[-1] == str(tmp_path), "the rename, last"

@@ -195,22 +195,31 @@ def test_raw_text_positions_cannot_move_to_another_world_size(tmp_path, corpus, 
     assert "raw-text data position is per rank" in problem and "data_prep.preprocess" in problem
 
 
-def test_export_reads_the_universal_form_when_the_rank_shards_are_gone(tmp_path, uninterrupted, corpus):
+def test_export_reads_the_universal_form_when_the_rank_shards_are_gone(tmp_path, uninterrupted, corpus, monkeypatch):
     """A checkpoint kept only in its universal form (after a world-size change) still exports, to the same weights;
-    the conversion the recipe runs itself (elastic) replaces what a killed or failed one left."""
+    the conversion the recipe runs itself (elastic) replaces what a killed or failed one left, and its files are on
+    storage (synced) before the listing that marks it complete."""
+    import os
+
     from safetensors.torch import load_file
 
     from recipes.export import export_checkpoint
     from recipes.training import elastic
-    from recipes.training.checkpointing import has_universal
+    from recipes.training.universal import has_universal
 
     checkpoint = tmp_path / "checkpoint-6"
     shutil.copytree(uninterrupted / "checkpoint-6", checkpoint)
     # what a conversion killed half-way, and one that failed, leave: nothing a start trusts, removed by the next
     (checkpoint / elastic.STAGING / "pytorch_model" / "zero").mkdir(parents=True)
     (checkpoint / elastic.FAILED).write_text("an earlier failure")
+    synced, real_fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
     ensure_universal(checkpoint)
     assert has_universal(checkpoint) and not (checkpoint / elastic.STAGING).exists()
+    listed = synced.index(str(checkpoint / elastic.STAGING / ".conversion.json.tmp"))
+    converted = [str(checkpoint / elastic.STAGING / p.relative_to(checkpoint / "universal"))
+                 for p in (checkpoint / "universal").rglob("*") if p.name != "conversion.json"]  # fmt: skip
+    assert converted and set(converted) <= set(synced[:listed]) and synced[-1] == str(checkpoint)
     assert not (checkpoint / elastic.FAILED).exists()
     from_shards = export_checkpoint(checkpoint, tmp_path / "from_shards", dtype="float32")
     for shard in (checkpoint / "pytorch_model").glob("*optim_states.pt"):
@@ -232,14 +241,15 @@ class OneProcess:
 def ensure_universal(checkpoint) -> None:
     """elastic.ensure_universal in one process, re-hashing universal/ as a resume does."""
     from recipes.training import elastic
-    from recipes.training.checkpointing import verify_universal_share
+    from recipes.training.universal import verify_universal_share
 
     elastic.ensure_universal(checkpoint, OneProcess(), lambda path: verify_universal_share(path, 0, 1))
 
 
 def test_a_failed_conversion_publishes_nothing_and_every_rank_says_why(tmp_path, uninterrupted):
     from recipes.training import elastic
-    from recipes.training.checkpointing import CheckpointError, has_universal
+    from recipes.training.checkpointing import CheckpointError
+    from recipes.training.universal import has_universal
 
     checkpoint = tmp_path / "checkpoint-6"
     shutil.copytree(uninterrupted / "checkpoint-6", checkpoint)
@@ -285,13 +295,8 @@ def test_a_damaged_or_empty_universal_form_is_set_aside_and_converted_again(tmp_
     with the rank shards gone too, the problem is named in one line."""
     from common.files import sha256_of
     from recipes.training import elastic
-    from recipes.training.checkpointing import (
-        UNIVERSAL_DIR,
-        CheckpointError,
-        has_universal,
-        universal_problems,
-        verify_universal_share,
-    )
+    from recipes.training.checkpointing import UNIVERSAL_DIR, CheckpointError
+    from recipes.training.universal import has_universal, universal_problems, verify_universal_share
 
     checkpoint = tmp_path / "checkpoint-6"
     shutil.copytree(uninterrupted / "checkpoint-6", checkpoint)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import yaml
 
 from common.collectives import ranks_where
-from common.files import atomic_write_text, sha256_of
+from common.files import atomic_write_text, sha256_of, sync_tree
 from common.lock import held_by_someone
 
 logger = logging.getLogger("pretrain")
@@ -108,10 +108,10 @@ def verify_checksums(directory: Path) -> list[str]:
 def verify_share(directory: Path, rank: int, world_size: int) -> list[str]:
     """Re-hash this rank's share of the manifest's files and name those that differ. Shares are balanced by
     bytes, so N ranks verify a checkpoint in about 1/N of the time one would take."""
-    return _verify_files(directory, read_manifest(directory)["files"], rank, world_size, "the manifest")
+    return verify_files(directory, read_manifest(directory)["files"], rank, world_size, "the manifest")
 
 
-def _verify_files(root: Path, files: dict[str, dict], rank: int, world_size: int, record: str) -> list[str]:
+def verify_files(root: Path, files: dict[str, dict], rank: int, world_size: int, record: str) -> list[str]:
     loads = [0] * world_size
     problems = []
     for name, entry in sorted(files.items(), key=lambda item: (-item[1]["bytes"], item[0])):
@@ -129,79 +129,6 @@ def resume_candidates(output_dir: str | Path, resume: str) -> list[Path]:
     if resume != "auto":
         return [Path(resume)]
     return list(reversed(checkpoint_dirs(output_dir)))
-
-
-# in universal/, written last by the recipe's conversion: every file, its size and sha256
-UNIVERSAL_LISTING = "conversion.json"
-UNIVERSAL_STATES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")  # one folder per parameter under universal/.../zero/
-
-
-def has_universal(directory: Path) -> bool:
-    """The checkpoint holds a complete universal conversion (`universal/`, see `universal_problems`)."""
-    return (Path(directory) / UNIVERSAL_DIR).is_dir() and not universal_problems(directory)
-
-
-def universal_problems(directory: Path) -> list[str]:
-    """What is wrong with a checkpoint's `universal/`: against the listing the recipe's conversion wrote into it, or,
-    for one converted by hand (docs/slurm.md), against the parameters its rank shards name (every parameter's folder
-    with its weights and Adam moments). A conversion killed at its start leaves an empty one."""
-    directory = Path(directory)
-    root = directory / UNIVERSAL_DIR
-    zero = root / "pytorch_model" / "zero"
-    if not zero.is_dir() or not any(zero.iterdir()):
-        return [f"{zero} is missing or empty (a conversion that stopped at its start?)"]
-    if (root / UNIVERSAL_LISTING).is_file():
-        problems = []
-        for name, entry in sorted(_universal_files(root).items()):
-            path = root / name
-            if not path.is_file():
-                problems.append(f"{path} is missing")
-            elif path.stat().st_size != entry["bytes"]:
-                problems.append(f"{path} has {path.stat().st_size} bytes; the conversion wrote {entry['bytes']}")
-        return problems
-    names = _shard_parameter_names(directory)
-    return [f"{zero / name / state} is missing" for name in names or [] for state in UNIVERSAL_STATES
-            if not (zero / name / state).is_file()]  # fmt: skip
-
-
-def universal_listing(root: Path, threads: int = 8) -> dict[str, dict]:
-    """Every file under a universal conversion `root`, by relative path, with its size and sha256 (what
-    `universal_problems` and `verify_universal_share` check it against). Hashed on `threads` threads (hashlib
-    releases the GIL): at 70B the conversion holds ~840 GB of fp32 weights and Adam moments."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    paths = [path for path in sorted(root.rglob("*")) if path.is_file()]
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        hashes = list(pool.map(sha256_of, paths))
-    return {str(path.relative_to(root)): {"bytes": path.stat().st_size, "sha256": digest}
-            for path, digest in zip(paths, hashes, strict=True)}  # fmt: skip
-
-
-def _universal_files(root: Path) -> dict[str, dict]:
-    """The listing's files; one written before the listing held hashes gives sizes only."""
-    files = json.loads((root / UNIVERSAL_LISTING).read_text())["files"]
-    return {name: entry if isinstance(entry, dict) else {"bytes": entry} for name, entry in files.items()}
-
-
-def verify_universal_share(directory: Path, rank: int, world_size: int) -> list[str]:
-    """Re-hash this rank's share of `universal/`'s files against the conversion's listing (as `verify_share` does
-    for the checkpoint's own files); a universal/ converted by hand, or before listings held hashes, has none."""
-    root = Path(directory) / UNIVERSAL_DIR
-    if not (root / UNIVERSAL_LISTING).is_file():
-        return []
-    hashed = {name: entry for name, entry in _universal_files(root).items() if "sha256" in entry}
-    return _verify_files(root, hashed, rank, world_size, f"the conversion's {UNIVERSAL_LISTING}")
-
-
-def _shard_parameter_names(directory: Path) -> list[str] | None:
-    """The parameter names rank 0's ZeRO model states record (None when the rank shards are gone)."""
-    shards = sorted((directory / "pytorch_model").glob("zero_pp_rank_0_mp_rank_*_model_states.pt"))
-    if not shards:
-        return None
-    import torch
-
-    states = torch.load(shards[0], map_location="cpu", weights_only=False)
-    return [name for group in states.get("param_shapes", []) for name in group]
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -323,19 +250,22 @@ def _publish(accelerator, staging: Path, final: Path, step: int) -> Path:
     """Hash, write the manifest last, rename, point `latest` at it (a collective; moves on the main process)."""
     from accelerate.utils import gather_object
 
-    # Each rank hashes the shards it wrote, in parallel: at 70B each holds ~120 GB of the ~1 TB.
-    mine = {
-        str(path.relative_to(staging)): {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
-        for path in owned_files(staging, accelerator.process_index, accelerator.num_processes)
-    }
+    # Each rank syncs to storage and hashes the shards it wrote, in parallel (at 70B each holds ~120 GB of the ~1 TB):
+    # without the sync, a power loss after the rename below could leave a published checkpoint of empty files
+    failure, mine = "", {}
+    try:
+        for path in owned_files(staging, accelerator.process_index, accelerator.num_processes):
+            mine[str(path.relative_to(staging))] = {"bytes": path.stat().st_size, "sha256": sha256_of(path, sync=True)}
+    except OSError as error:  # EIO from the sync: on this rank alone, and the others are in the gather below
+        failure = f"rank {accelerator.process_index}: {type(error).__name__}: {error}"
     files: dict[str, Any] = {}
     for part in gather_object([mine]):
         files.update(part)
-    failure = ""
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not failure:
         try:  # a full disk here raised on the main process only, the others waiting in the barrier below
             manifest = {"step": step, "world_size": accelerator.num_processes, "files": dict(sorted(files.items())),
                         "slurm_job_id": os.environ.get("SLURM_JOB_ID")}  # fmt: skip
+            sync_tree(staging)  # the names of every rank's files, before the manifest vouches for them
             atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=2))
             if final.exists():
                 shutil.rmtree(final)
@@ -343,10 +273,12 @@ def _publish(accelerator, staging: Path, final: Path, step: int) -> Path:
             atomic_write_text(final.parent / LATEST, final.name + "\n")
         except OSError as error:
             failure = f"{type(error).__name__}: {error}"
+    failed_ranks = ranks_where(bool(failure), accelerator.device)
+    if failed_ranks:
+        if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
-    if ranks_where(bool(failure), accelerator.device):
         said = failure or "see its log"
-        raise CheckpointSaveError(f"publishing checkpoint-{step} failed on the main process ({said}); a relaunch "
+        raise CheckpointSaveError(f"publishing checkpoint-{step} failed on rank(s) {failed_ranks} ({said}); a relaunch "
                                   "resumes from the newest complete checkpoint")  # fmt: skip
     accelerator.wait_for_everyone()
     return final

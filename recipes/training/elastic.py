@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from recipes.training import checkpointing
+from common.collectives import main_process_view
+from common.files import atomic_write_text, sync_tree
+from recipes.training import checkpointing, universal
 from recipes.training.checkpointing import CheckpointError
 
 logger = logging.getLogger("pretrain")
@@ -37,7 +39,7 @@ def convert(checkpoint: Path, workers: int | None = None) -> float:
     staging = checkpoint / STAGING
     if not any((checkpoint / "pytorch_model").glob("*optim_states.pt")):
         message = (f"elastic: {checkpoint} has no ZeRO rank shards left to convert and no loadable universal/ "
-                   f"({'; '.join(checkpointing.universal_problems(checkpoint)[:1]) or 'none'}): resume from an earlier "
+                   f"({'; '.join(universal.universal_problems(checkpoint)[:1]) or 'none'}): resume from an earlier "
                    "checkpoint (pass --resume_from_checkpoint) or restore its files")  # fmt: skip
         (checkpoint / FAILED).write_text(message)
         raise CheckpointError(message)
@@ -54,10 +56,12 @@ def convert(checkpoint: Path, workers: int | None = None) -> float:
                    f"{tail[0]}")  # fmt: skip
         (checkpoint / FAILED).write_text(message)
         raise CheckpointError(message)
-    listing = {"files": checkpointing.universal_listing(staging)}
-    (staging / checkpointing.UNIVERSAL_LISTING).write_text(json.dumps(listing, indent=1))  # last: it marks complete
+    listing = {"files": universal.universal_listing(staging)}  # each file synced to storage as it is hashed
+    sync_tree(staging)
+    atomic_write_text(staging / universal.UNIVERSAL_LISTING, json.dumps(listing, indent=1))  # last: marks complete
     set_aside_damaged(checkpoint)
     os.replace(staging, checkpoint / checkpointing.UNIVERSAL_DIR)
+    sync_tree(checkpoint, recursive=False)
     seconds = time.perf_counter() - started
     logger.info("elastic: %s converted in %.1f s", checkpoint.name, seconds)
     return seconds
@@ -67,21 +71,21 @@ def set_aside_damaged(checkpoint: Path, problems: list[str] | None = None) -> No
     """A `universal/` that cannot be loaded (a conversion by hand cut short, a file lost or changed since) is renamed
     to `universal.damaged/` (replacing an older one), never deleted: it may be someone's only copy of what it holds.
     `problems`: what is wrong with it, when known (else its files are checked against its listing)."""
-    universal = checkpoint / checkpointing.UNIVERSAL_DIR
-    if not universal.exists():
+    converted = checkpoint / checkpointing.UNIVERSAL_DIR
+    if not converted.exists():
         return
-    problems = problems or checkpointing.universal_problems(checkpoint)
+    problems = problems or universal.universal_problems(checkpoint)
     aside = checkpoint / DAMAGED
     shutil.rmtree(aside, ignore_errors=True)
-    os.replace(universal, aside)
-    logger.warning("elastic: %s cannot be loaded (%s%s): set aside as %s, converting again", universal,
+    os.replace(converted, aside)
+    logger.warning("elastic: %s cannot be loaded (%s%s): set aside as %s, converting again", converted,
                    problems[0] if problems else "incomplete", f", and {len(problems) - 1} more" if problems[1:] else "",
                    aside.name)  # fmt: skip
 
 
 def wait_for_conversion(checkpoint: Path) -> None:
     """On the ranks other than 0: until rank 0's conversion is published, or has failed (its message raised here)."""
-    while not checkpointing.has_universal(checkpoint):
+    while not universal.has_universal(checkpoint):
         if (checkpoint / FAILED).is_file():
             raise CheckpointError((checkpoint / FAILED).read_text())
         time.sleep(POLL_S)
@@ -91,7 +95,8 @@ def ensure_universal(checkpoint: Path, accelerator, verify: Callable[[Path], lis
     """Every rank (a collective): `checkpoint` has its universal form when this returns, converted now if it had
     none or its files differ from the conversion's sizes or sha256 (`verify`, a collective, re-hashes them). Rank 0
     clears what an earlier, killed or failed, conversion left before anyone looks."""
-    changed = verify(checkpoint) if checkpointing.has_universal(checkpoint) else None
+    present = main_process_view(lambda: universal.has_universal(checkpoint))  # `verify` is a collective
+    changed = verify(checkpoint) if present else None
     if changed == []:
         return
     if accelerator.is_main_process:

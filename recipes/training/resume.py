@@ -16,12 +16,12 @@ from typing import Any
 
 import yaml
 
-from common.collectives import on_main_process
+from common.collectives import main_process_view, on_main_process
 from common.files import fingerprint, sha256_of
 from data_prep.packing.format import MANIFEST as DATA_MANIFEST
 from data_prep.packing.format import is_preprocessed, tokenizer_identity
 from recipes.config import MODEL_CONFIG_KEYS, PretrainConfig, config_from_dict
-from recipes.training import checkpointing
+from recipes.training import checkpointing, universal
 from recipes.training.checkpointing import CheckpointError
 from recipes.training.train_data import TrainData
 
@@ -212,7 +212,7 @@ def verify_universal(path: Path, accelerator) -> list[str]:
     from accelerate.utils import gather_object
 
     started = time.perf_counter()
-    share = checkpointing.verify_universal_share(path, accelerator.process_index, accelerator.num_processes)
+    share = universal.verify_universal_share(path, accelerator.process_index, accelerator.num_processes)
     problems = [problem for part in gather_object([share]) for problem in part]
     seconds = time.perf_counter() - started
     logger.info("resume: verified %s/%s in %.1f s", path.name, checkpointing.UNIVERSAL_DIR, seconds)
@@ -240,8 +240,8 @@ def check_resumable(path: Path, identity: dict[str, Any], tokenizer, data: Train
     if saved_world != world_size:
         if convert is not None:
             convert(path)  # a no-op when a loadable universal/ is there
-        present = (path / checkpointing.UNIVERSAL_DIR).exists()
-        damaged = checkpointing.universal_problems(path) if present else []  # one check: it may read rank shards
+        # the main process's view: `verify_universal` below is a collective, and a lagging node's view may differ
+        present, damaged = main_process_view(lambda: universal.presence(path))
         if present and not damaged and convert is None and verify_universal is not None:
             damaged = verify_universal(path)  # (`convert` re-hashed it already)
         if damaged:

@@ -1,0 +1,27 @@
+"""Run a function on N real ranks of a gloo process group (spawned processes), for the collectives whose point is
+what happens when the ranks see different things."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, world: int, init_file: str, timeout_s: float, function, args) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    try:
+        function(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def on_ranks(function, world: int, workdir: Path, *args, timeout_s: float = 30) -> None:
+    """`function(rank, *args)` on each of `world` ranks; an exception on any rank (a collective that timed out
+    included) is raised here. `function` must be defined at a module's top level (it is pickled by name)."""
+    init_file = Path(workdir) / "gloo-init"
+    mp.start_processes(_rank_main, args=(world, str(init_file), timeout_s, function, args), nprocs=world,
+                       join=True, start_method="spawn")  # fmt: skip
