@@ -313,7 +313,7 @@ def test_every_rank_resumes_from_the_checkpoint_the_main_process_sees(tmp_path):
 
 
 class OneRankSaving:
-    """The part of an Accelerator a save uses, for one process; `save_state` writes shards as DeepSpeed lays them out."""
+    """The part of an Accelerator a save uses, in one process; `save_state` writes files as DeepSpeed lays them out."""
 
     device, process_index, num_processes, is_main_process = "cpu", 0, 1, True
 
@@ -345,7 +345,9 @@ def test_a_checkpoint_is_on_storage_before_its_manifest_vouches_for_it(tmp_path,
         real_fsync(descriptor)
 
     monkeypatch.setattr(os, "fsync", record)
-    final = save_checkpoint(OneRankSaving(), tmp_path, 7, {"run_state": {}}, {"config.yaml": "a: 1\n"})
+    beats = []
+    final = save_checkpoint(OneRankSaving(), tmp_path, 7, {"run_state": {}}, {"config.yaml": "a: 1\n"},
+                            progress=lambda: beats.append(len(synced)))  # fmt: skip
     assert final == tmp_path / "checkpoint-7" and manifest_problems(final) == [] and verify_checksums(final) == []
     staging = tmp_path / ".checkpoint-7.tmp"
     manifest_at = synced.index(staging / ".manifest.json.tmp")
@@ -353,6 +355,34 @@ def test_a_checkpoint_is_on_storage_before_its_manifest_vouches_for_it(tmp_path,
     written = [staging / path.relative_to(final) for path in final.rglob("*") if path.name != "manifest.json"]
     assert written and all(path in before for path in written), "every file and directory, before the manifest"
     assert staging in before and synced[-1] == tmp_path, "the rename and `latest` are made durable last"
+    # the hang watchdog's beat: before and after the writes, and after each file synced and hashed (~120 GB per rank
+    # at 70B: a save used to have to fit in one hang_timeout_s, and a slow file system made every save a "hang")
+    files = [path for path in final.rglob("*") if path.is_file() and path.name != "manifest.json"]
+    assert len(beats) == 2 + len(files) and beats[0] == beats[1] == 0 and beats[2:] == sorted(set(beats[2:]))
+
+
+def test_the_trainer_beats_its_callbacks_through_checkpoint_io(tmp_path):
+    """The Trainer hands the checkpointer its callbacks' `on_checkpoint_io` (the watchdog re-arms there)."""
+    import types
+
+    from recipes.config import load_config
+    from recipes.training.callbacks import Callback
+    from recipes.training.checkpointing import Checkpointer
+    from recipes.training.trainer import Trainer
+    from tests.conftest import TINY_RECIPE
+
+    class Counting(Callback):
+        calls = 0
+
+        def on_checkpoint_io(self, trainer) -> None:
+            Counting.calls += 1
+
+    accelerator = types.SimpleNamespace(num_processes=1, device="cpu")
+    checkpointer = Checkpointer(accelerator, None, tmp_path, None, {}, {})
+    Trainer(load_config(TINY_RECIPE, []), accelerator, None, None, data=None, checkpointer=checkpointer, metrics=None,
+            signals=None, state=None, callbacks=[Counting()], masking=None, num_parameters=1)  # fmt: skip
+    checkpointer.progress()
+    assert Counting.calls == 1
 
 
 def _convert_where_views_differ(rank, checkpoint, outcome_dir):
@@ -387,3 +417,22 @@ def test_a_lagging_node_takes_the_main_process_view_of_a_universal_conversion(tm
 
     on_ranks(_convert_where_views_differ, 2, tmp_path, str(tmp_path / "checkpoint-6"), str(tmp_path), timeout_s=20)
     assert sorted(path.name for path in tmp_path.glob("rank-*")) == ["rank-0-returned", "rank-1-returned"]
+
+
+def test_a_rotation_killed_half_way_leaves_what_the_next_start_removes(tmp_path, monkeypatch):
+    """A deletion killed inside rmtree left `checkpoint-N` with some files gone: no longer complete, so no rotation
+    counted it again, and no start removed it (~1 TB each at 70B, unseen by the free-space check). Rotation now
+    renames it out of the pattern first, and the next start removes what a killed deletion left."""
+    import shutil
+
+    from recipes.training.checkpointing import checkpoint_dirs, rotate_checkpoints
+    from recipes.training.output_dir import remove_stale_checkpoint_staging
+
+    for step in (100, 200, 300):
+        make_checkpoint(tmp_path, step)
+    with monkeypatch.context() as patch:
+        patch.setattr(shutil, "rmtree", lambda path, ignore_errors=False: None)  # killed inside it
+        assert rotate_checkpoints(OneRankSaving(), tmp_path, 2, None) == [tmp_path / "checkpoint-100"]
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["checkpoint-200", "checkpoint-300"]
+    assert [p.name for p, _ in remove_stale_checkpoint_staging(tmp_path)] == [".checkpoint-100.deleting"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-200", "checkpoint-300"]

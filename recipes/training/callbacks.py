@@ -8,6 +8,7 @@ the order the callbacks were given:
     on_train_start(trainer)                 before the first step
     on_step_end(trainer, result, control)   after every optimizer step; `control` can stop the run or mark the
                                             step undone (a rollback), which hides it from later callbacks
+    on_checkpoint_io(trainer)               during a save or a load, between its phases and after each file hashed
     on_save(trainer, path)                  after a checkpoint is published
     on_train_end(trainer, stop)             after the last step, with the reason
 """
@@ -42,6 +43,9 @@ class Callback:
         pass
 
     def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
+        pass
+
+    def on_checkpoint_io(self, trainer: TrainerView) -> None:
         pass
 
     def on_save(self, trainer: TrainerView, path: Path) -> None:
@@ -333,11 +337,11 @@ def callbacks_for(config, *, flops_per_token: float, validation_rows: torch.Tens
 
 class HangWatchdog(Callback):
     """A hang becomes an error in bounded time. Every forward pass (training, validation, benchmarks), optimizer
-    step and save re-arms a `faulthandler` timer; when `timeout_s` passes without one, the rank writes every
-    thread's stack to stderr ("Timeout (h:mm:ss)!") and exits with code 1, so that a scheduler's requeue
-    relaunches the run instead of leaving it idle. A rank stuck in a collective stops its peers' forwards too,
-    so every rank times out within seconds of the others. The timer is a C thread: it fires even when Python
-    is blocked inside NCCL, gloo or a dataloader queue."""
+    step, save, and each phase and file of a save or load re-arms a `faulthandler` timer; when `timeout_s` passes
+    without one, the rank writes every thread's stack to stderr ("Timeout (h:mm:ss)!") and exits with code 1, so
+    that a scheduler's requeue relaunches the run instead of leaving it idle. A rank stuck in a collective stops its
+    peers' forwards too, so every rank times out within seconds of the others. The timer is a C thread: it fires even
+    when Python is blocked inside NCCL, gloo or a dataloader queue."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
@@ -356,6 +360,9 @@ class HangWatchdog(Callback):
 
     def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         self.beat()
+
+    def on_checkpoint_io(self, trainer: TrainerView) -> None:
+        self.beat()  # a save of ~120 GB per rank (write, sync, hash) can outlast the timeout: each file is progress
 
     def on_save(self, trainer: TrainerView, path: Path) -> None:
         self.beat()

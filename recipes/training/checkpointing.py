@@ -189,11 +189,11 @@ def write_resolved_config(directory: Path, config_dict: dict[str, Any]) -> None:
     (directory / RESOLVED_CONFIG).write_text(resolved_config_text(config_dict))
 
 
-def save_checkpoint(
-    accelerator, output_dir: str | Path, step: int, state: dict[str, Any], run_files: dict[str, str]
-) -> Path:
+def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict[str, Any], run_files: dict[str, str],
+                    progress: Callable[[], None] = lambda: None) -> Path:  # fmt: skip
     """Write and publish `checkpoint-{step}`; see the module docstring for the order of events. The main process
-    writes `state` to trainer_state.json and each of `run_files` (name -> text: the resolved recipe, ...)."""
+    writes `state` to trainer_state.json and each of `run_files` (name -> text: the resolved recipe, ...).
+    `progress` is called between the phases and after each file hashed (the hang watchdog's beat)."""
     output_dir = Path(output_dir)
     staging = output_dir / f".checkpoint-{step}.tmp"
     short = space_problem(output_dir)
@@ -205,6 +205,7 @@ def save_checkpoint(
         shutil.rmtree(staging)
     accelerator.wait_for_everyone()
     failure = ""
+    progress()
     try:
         accelerator.save_state(str(staging))  # collective: each rank writes its own ZeRO-3 shards
         if accelerator.is_main_process:
@@ -226,7 +227,8 @@ def save_checkpoint(
             + f"; {free_gb:.1f} GB free in {output_dir}. Nothing was published or deleted: the previous "
             f"checkpoint ({previous}) is intact and a relaunch resumes from it"
         )  # fmt: skip
-    return _publish(accelerator, staging, output_dir / f"checkpoint-{step}", step)
+    progress()
+    return _publish(accelerator, staging, output_dir / f"checkpoint-{step}", step, progress)
 
 
 def space_problem(output_dir: Path, margin: float = 1.05) -> str | None:
@@ -246,7 +248,7 @@ def space_problem(output_dir: Path, margin: float = 1.05) -> str | None:
     return f"{free / 1e9:.1f} GB free in {output_dir}, and a checkpoint takes {size_gb:.1f} GB ({newest.name})"
 
 
-def _publish(accelerator, staging: Path, final: Path, step: int) -> Path:
+def _publish(accelerator, staging: Path, final: Path, step: int, progress: Callable[[], None]) -> Path:
     """Hash, write the manifest last, rename, point `latest` at it (a collective; moves on the main process)."""
     from accelerate.utils import gather_object
 
@@ -256,6 +258,7 @@ def _publish(accelerator, staging: Path, final: Path, step: int) -> Path:
     try:
         for path in owned_files(staging, accelerator.process_index, accelerator.num_processes):
             mine[str(path.relative_to(staging))] = {"bytes": path.stat().st_size, "sha256": sha256_of(path, sync=True)}
+            progress()
     except OSError as error:  # EIO from the sync: on this rank alone, and the others are in the gather below
         failure = f"rank {accelerator.process_index}: {type(error).__name__}: {error}"
     files: dict[str, Any] = {}
@@ -284,6 +287,18 @@ def _publish(accelerator, staging: Path, final: Path, step: int) -> Path:
     return final
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Rename `path` to `.checkpoint-N.deleting`, then delete it (a leftover of a killed deletion: `deleting`)."""
+    doomed = path.with_name(f".{path.name}.deleting")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def deleting(output_dir: Path) -> list[Path]:
+    """What deletions killed half-way left in `output_dir` (no longer checkpoints: removed at the next start)."""
+    return sorted(output_dir.glob(".checkpoint-*.deleting"))
+
+
 def reader_pin(checkpoint: Path) -> Path:
     """The file a reader of `checkpoint` (an export) holds a shared flock on; rotation leaves a held one alone. Beside
     the checkpoint, not in it: the checkpoint's files are the manifest's."""
@@ -296,9 +311,12 @@ def export_staging(output: Path) -> tuple[Path, Path]:
     return output.with_name(f".{output.name}.tmp"), output.with_name(f".{output.name}.export-lock")
 
 
-def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: int | None, best: Path | None):
+def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: int | None, best: Path | None,
+                       progress: Callable[[], None] = lambda: None):  # fmt: skip
     """Delete the oldest complete checkpoints beyond the limit, except one being read (an export holds its pin: it
-    goes at a later rotation); incomplete leftovers of killed saves too."""
+    goes at a later rotation); incomplete leftovers of killed saves too. A checkpoint is renamed out of the pattern
+    first: a deletion killed half-way leaves a `.checkpoint-N.deleting` the next start removes, not a `checkpoint-N`
+    with missing files that no rotation would count again (~1 TB each at 70B)."""
     output_dir = Path(output_dir)
     doomed: list[Path] = []
     # Only the main process scans: another rank listing the directory while it is being deleted
@@ -311,8 +329,9 @@ def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: in
                 logger.info("rotation: keeping %s for now, an export is reading it", path.name)
                 doomed.remove(path)
                 continue
-            shutil.rmtree(path, ignore_errors=True)
+            remove_checkpoint(path)
             reader_pin(path).unlink(missing_ok=True)
+            progress()
         newest = complete[-1] if complete else None
         for leftover in output_dir.glob(".checkpoint-*.tmp"):
             if newest is None or leftover.name != f".{newest.name}.tmp":
@@ -350,15 +369,16 @@ class Checkpointer:
         self.output_dir, self.save_total_limit, self.run_files = Path(output_dir), save_total_limit, run_files
         self.stateful = stateful
         self.last = last  # the newest checkpoint this run published or resumed from
+        self.progress: Callable[[], None] = lambda: None  # called through saves and loads (the hang watchdog's beat)
 
     def save(self, step: int, protected: str | None = None) -> Path:
         """Publish `checkpoint-{step}` and rotate, keeping `protected` (the best); nothing if it is the newest."""
         if self.last is not None and step_of(self.last) == step:
             return self.last
         state = {name: part.state_dict() for name, part in self.stateful.items()}
-        path = save_checkpoint(self.accelerator, self.output_dir, step, state, self.run_files)
+        path = save_checkpoint(self.accelerator, self.output_dir, step, state, self.run_files, self.progress)
         best = self.output_dir / protected if protected else None
-        rotate_checkpoints(self.accelerator, self.output_dir, self.save_total_limit, best)
+        rotate_checkpoints(self.accelerator, self.output_dir, self.save_total_limit, best, self.progress)
         self.last = path
         return path
 
@@ -370,10 +390,12 @@ class Checkpointer:
         # DeepSpeed reads the format from its config at each load: a launch that resumed from universal/ and later
         # rolls back to one of its own checkpoints loads the ordinary format (it crashed in the universal loader)
         self.engine._config.load_universal_checkpoint = not same_world
+        self.progress()
         if same_world:
             self.accelerator.load_state(str(path))  # every rank loads its own shards and RNG states
         else:
             self.engine.load_checkpoint(str(path / UNIVERSAL_DIR), tag="pytorch_model")
+        self.progress()
         saved = read_trainer_state(path)
         for name, part in self.stateful.items():
             if name not in skip:

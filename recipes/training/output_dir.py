@@ -39,7 +39,7 @@ def lock(config: PretrainConfig) -> DirectoryLock | None:
             logger.warning("output_dir: took over the lock of a dead run (%s)", describe(held.took_over))
         # now, before an elastic conversion writes ~1 TB beside them at 70B
         for staging, size in remove_stale_checkpoint_staging(Path(config.output_dir)):
-            logger.warning("removed %s (%.1f GB), left by a save that was killed", staging, size / 1e9)
+            logger.warning("removed %s (%.1f GB), left by a save or a deletion that was killed", staging, size / 1e9)
         return held
 
     return on_main_process(take, catch=(ConfigError,))
@@ -125,11 +125,12 @@ def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
 
 
 def remove_stale_checkpoint_staging(output_dir: Path) -> list[tuple[Path, int]]:
-    """`.checkpoint-N.tmp` directories left by saves that were killed (at 70B up to ~1 TB of hidden files), removed
+    """`.checkpoint-N.tmp` directories left by saves that were killed (at 70B up to ~1 TB of hidden files), and
+    `.checkpoint-N.deleting` ones left by rotations that were killed, removed
     at a start, where no save of this directory can be at work (the run holds its lock). Returns them with their
     bytes."""
     removed = []
-    for staging in sorted(output_dir.glob(".checkpoint-*.tmp")):
+    for staging in sorted(output_dir.glob(".checkpoint-*.tmp")) + checkpointing.deleting(output_dir):
         removed.append((staging, remove_tree(staging)))
     return removed
 

@@ -59,6 +59,11 @@ class Trainer:
         self.data_ends = False  # the data has no step after this one (agreed by every rank)
         self.overflows = 0  # fp16 loss-scale overflows in a row (each a step DeepSpeed skipped)
         self._launch: tuple[float, float] | None = None  # (perf_counter at the launch's start, wall seconds before it)
+        checkpointer.progress = self._checkpoint_io
+
+    def _checkpoint_io(self) -> None:
+        for callback in self.callbacks:
+            callback.on_checkpoint_io(self)
 
     def begin_launch(self, started: float) -> None:
         """Count this launch, and its time from `started` (a perf_counter reading at process start) on top of the
