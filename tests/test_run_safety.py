@@ -120,6 +120,8 @@ def test_a_stalled_data_source_exits_5_and_a_hang_elsewhere_exits_1_with_every_s
     assert stalled.returncode != 0
     assert re.search(r"exitcode\s*:\s*5\b", stalled.stderr), stalled.stderr[-3000:]
     assert "the dataloader workers produced no batch in 6 s (half of hang_timeout_s)" in stalled.stderr
+    # the process group waits longer than both (DeepSpeed's default 600 s came before the 900 s and 1800 s defaults)
+    assert "collectives: a rank gives up after 612.0 s in one (hang_timeout_s + 600 s" in stalled.stderr
     hung = launch(PRETRAIN, run_args(corpus, tmp_path / "hung", max_steps=400, hang_timeout_s=12,
                                      dataloader_num_workers=0), env=env, timeout_s=400)  # fmt: skip
     assert hung.returncode != 0 and re.search(r"exitcode\s*:\s*1\b", hung.stderr), hung.stderr[-3000:]

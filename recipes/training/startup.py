@@ -8,6 +8,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -67,18 +68,42 @@ def import_deepspeed_lean() -> None:
         sys.modules[MUON_MODULE] = stand_in
 
 
+# A collective that waits this long past the hang watchdog's timeout ends the process without a stack: the watchdog
+# (which dumps every thread's stack) and the dataloader's stall timeout (half of it, exit 5) must come first.
+# DeepSpeed's own default, 10 minutes, came before both (1800 s and 900 s by default).
+COLLECTIVE_TIMEOUT_MARGIN_S = 600
+
+
+def collective_timeout_s(hang_timeout_s: float | None) -> float:
+    """How long a rank waits in a collective before its process group gives up: the watchdog's timeout and a margin,
+    or DeepSpeed's 10 minutes and the margin when the watchdog is off."""
+    return (hang_timeout_s or 600) + COLLECTIVE_TIMEOUT_MARGIN_S
+
+
+def process_group_timeout_s() -> float | None:
+    """The default process group's timeout as its backend holds it (None where the backend does not say)."""
+    import torch.distributed as dist
+
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def setup_distributed(config: PretrainConfig):
     """The Accelerator, with the DeepSpeed JSON's recipe-owned values filled from the recipe."""
     import_deepspeed_lean()
     serialize_op_builds()  # before anything loads an op
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     check_gpus_per_node()
+    timeout = timedelta(seconds=collective_timeout_s(config.hang_timeout_s))
     if not torch.cuda.is_available():
         # Without CUDA accelerate finds no backend and every rank believes it is rank 0 of 1,
         # while DeepSpeed runs 2: sharding, logging and saving would silently go wrong.
-        PartialState(backend="gloo")
+        PartialState(backend="gloo", timeout=timeout)
     ds_path = deepspeed.launched_config_path()
     if ds_path is None:
         raise ConfigError(
@@ -98,6 +123,7 @@ def setup_distributed(config: PretrainConfig):
         log_with=trackers_for(config.report_to, config.output_dir) or None,
         mixed_precision="bf16" if config.bf16 else "fp16" if config.fp16 else "no",
         gradient_accumulation_steps=config.gradient_accumulation_steps,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
     )
     if accelerator.num_processes != world_size:
         raise RuntimeError(f"accelerate sees {accelerator.num_processes} processes but WORLD_SIZE is {world_size}")
@@ -356,6 +382,8 @@ def check_launch(config: PretrainConfig) -> Launch:
     signals = StopSignals()
     accelerator, ds_config = setup_distributed(config)
     configure_logging(accelerator)
+    logger.info("collectives: a rank gives up after %s s in one (hang_timeout_s + %d s: the watchdog's stacks come "
+                "first)", process_group_timeout_s(), COLLECTIVE_TIMEOUT_MARGIN_S)  # fmt: skip
     if config.elastic:
         logger.info("elastic: %d processes, gradient_accumulation_steps %d (global batch %d rows)",
                     accelerator.num_processes, config.gradient_accumulation_steps,
