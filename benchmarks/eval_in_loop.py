@@ -125,4 +125,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from common.process import run_as_rank
+
+    run_as_rank(main)  # also each rank of its launches: see run_as_rank

@@ -385,4 +385,6 @@ def print_json(result: dict, json_output: str | None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from common.process import run_as_rank
+
+    run_as_rank(main)  # also each rank of its launches: see run_as_rank

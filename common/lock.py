@@ -88,6 +88,7 @@ class DirectoryLock:
         self.directory, self.what = Path(directory), what
         self.path = self.directory / LOCK_FILE
         self._fd: int | None = None
+        self._written: dict = {}  # what acquire wrote into the lock file
         self.took_over: dict | None = None  # the dead holder replaced, if any
 
     def acquire(self) -> DirectoryLock:
@@ -119,8 +120,9 @@ class DirectoryLock:
             os.close(fd)
             raise LockedError(f"{self.directory} is in use by another {self.what} ({describe(previous)})")
         self.took_over = previous or None
+        self._written = _this_process()
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_this_process()).encode(), 0)
+        os.pwrite(fd, json.dumps(self._written).encode(), 0)
         os.fsync(fd)
         self._fd = fd
         return self
@@ -128,8 +130,12 @@ class DirectoryLock:
     def release(self) -> None:
         if self._fd is None:
             return
+        # A later start that took the lock over (this job requeued onto other nodes while this process lived on,
+        # cut off from the cluster) rewrote it: the file is that start's now, and stays
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # before the flock goes, so no one takes over a lock file about to vanish
+            # (or a person deleted it, as a lock from another host's dead run asks, and a new run wrote its own)
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino and _read(self._fd) == self._written:
+                os.unlink(self.path)  # before the flock goes, so no one takes over a lock file about to vanish
         os.close(self._fd)
         self._fd = None
 

@@ -90,6 +90,7 @@ def report_error(error: Exception) -> int:
 
 
 if __name__ == "__main__":
+    from common.process import run_as_rank
     from recipes.launch import write_exit_code  # for `python -m recipes.launch`, which exits with the ranks' code
 
-    sys.exit(write_exit_code(main()))
+    run_as_rank(lambda: write_exit_code(main()))  # not sys.exit: see run_as_rank (a gloo abort at finalization)

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.process import exit_process
+
 
 def _rank_main(rank: int, world: int, init_file: str, timeout_s: float, function, args) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -17,11 +19,13 @@ def _rank_main(rank: int, world: int, init_file: str, timeout_s: float, function
         function(rank, *args)
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # a gloo worker thread can abort an interpreter that finalizes (common.process.exit_process)
 
 
 def on_ranks(function, world: int, workdir: Path, *args, timeout_s: float = 30) -> None:
     """`function(rank, *args)` on each of `world` ranks; an exception on any rank (a collective that timed out
     included) is raised here. `function` must be defined at a module's top level (it is pickled by name)."""
+    Path(workdir).mkdir(parents=True, exist_ok=True)
     init_file = Path(workdir) / "gloo-init"
     mp.start_processes(_rank_main, args=(world, str(init_file), timeout_s, function, args), nprocs=world,
                        join=True, start_method="spawn")  # fmt: skip

@@ -85,6 +85,23 @@ def test_a_requeued_slurm_job_takes_over_the_lock_its_earlier_start_left_on_anot
         DirectoryLock(tmp_path, "training run").acquire()
 
 
+def test_a_start_that_lives_on_after_its_requeue_leaves_the_new_starts_lock_alone(tmp_path):
+    """A head node cut off from the cluster: Slurm requeued the job elsewhere and its next start took the lock over
+    (rewriting the same file); when the old start finally exited, its release deleted the new start's lock, and a
+    second launch into the live run's directory would then have been let in. A release removes only its own record."""
+    old_start = DirectoryLock(tmp_path, "training run").acquire()
+    takeover = {"host": "node-18", "pid": 99, "started": "now", "slurm_job_id": "77", "slurm_restart_count": 1}
+    (tmp_path / ".lock").write_text(json.dumps(takeover))  # what the next start wrote
+    old_start.release()
+    assert json.loads((tmp_path / ".lock").read_text()) == takeover
+    # or a person deleted it (as a lock left on another host asks) and a new run wrote its own: a new file
+    old_start = DirectoryLock(tmp_path / "again", "training run").acquire()
+    (tmp_path / "again" / ".lock").unlink()
+    (tmp_path / "again" / ".lock").write_text(json.dumps(takeover))
+    old_start.release()
+    assert json.loads((tmp_path / "again" / ".lock").read_text()) == takeover
+
+
 CHILD = """
 import os, sys, time
 from common.process import die_with_parent
@@ -192,3 +209,33 @@ def hold_lock_file(path):
                               env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
     return holder
+
+
+def _gather_after_importing_transformers(rank):
+    """What a rank's last moments do: a collective on Python-made tensors, with a long finalization ahead."""
+    import torch.distributed as dist
+    from transformers import LlamaConfig  # noqa: F401 (many modules: a finalization long enough to meet the thread)
+
+    every = [None, None]
+    dist.all_gather_object(every, {"rank": rank})
+
+
+@pytest.mark.multiprocess
+def test_ranks_exit_with_their_code_not_an_abort_at_finalization(tmp_path):
+    """A gloo worker thread releases a collective's tensors after the collective has returned; the release takes the
+    GIL, and one asked for while the interpreter finalized aborted the rank (SIGABRT, "terminate called without an
+    active exception": rank 0 of the host-tax benchmark once, 6 of 15 two-rank runs of this kind here). Ranks now end
+    through common.process.exit_process: ten runs, every rank exits 0."""
+    from gloo_ranks import on_ranks
+
+    for attempt in range(10):
+        on_ranks(_gather_after_importing_transformers, 2, tmp_path / str(attempt), timeout_s=30)
+
+
+def test_exit_process_runs_the_exit_handlers_and_flushes_before_it_exits(tmp_path):
+    script = (
+        "import atexit, sys\nfrom common.process import exit_process\n"
+        "atexit.register(lambda: print('handler ran'))\nsys.stdout.write('buffered, ')\nexit_process(3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3 and result.stdout == "buffered, handler ran\n"

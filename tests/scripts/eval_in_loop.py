@@ -78,4 +78,6 @@ def fail_once_on_this_rank(engine, accelerator, tokenizer, settings, output):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
+    from common.process import run_as_rank
+
+    run_as_rank(lambda: main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]))

@@ -70,4 +70,6 @@ def main(recipe: str, output: str, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    from common.process import run_as_rank
+
+    run_as_rank(lambda: main(sys.argv[1], sys.argv[2], sys.argv[3:]))
