@@ -170,9 +170,12 @@ def fake_slurm(tmp_path: Path, python_body: str, **env: str) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fakes = {
-        "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n',
-        "scontrol": '#!/usr/bin/env bash\nif [ "$1 $2" = "show hostnames" ]; then echo n1; elif [ "$1" = requeue ]; '
-        f'then echo "$2" >> {tmp_path}/requeued; else echo "NodeName=n1 NodeAddr=10.1.2.3 State=IDLE"; fi\n',
+        "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+        'SLURM_NODEID=0 SLURMD_NODENAME=${FAKE_NODENAME:-n1} exec "$@"\n',
+        "scontrol": '#!/usr/bin/env bash\n'
+        'if [ "$1 $2" = "show hostnames" ]; then printf "%s\\n" ${FAKE_HOSTNAMES:-n1}; '
+        f'elif [ "$1" = requeue ]; then echo "$2" >> {tmp_path}/requeued; '
+        'else echo "NodeName=n1 NodeAddr=10.1.2.3 State=IDLE"; fi\n',
         "python": f'#!/usr/bin/env bash\n[ "$2" = recipes.nodes ] && exec {sys.executable} "$@"\n{python_body}\n',
     }  # fmt: skip
     for name, text in fakes.items():
@@ -215,6 +218,22 @@ def test_the_scripts_forward_every_argument_intact(tmp_path):
         assert argv[argv.index("--num_machines") + 1] == str(used)
         assert argv[argv.index("--num_processes") + 1] == str(8 * used), "8 processes on each node it uses"
     assert "#SBATCH --nodes=1-2" in script.read_text() and "#SBATCH --spread-job" in script.read_text()
+
+
+def test_the_machine_rank_is_the_nodes_place_in_the_sorted_node_list(tmp_path):
+    """SLURM_NODEID follows slurm.conf's order of nodes; the head is the first of the job's sorted node list. Where they
+    differ, rank 0 started the rendezvous on a node that was not the head and no start ever formed. The rank is now the
+    node's place in that list (a fake srun gives this task n2, with SLURM_NODEID 0)."""
+    record_argv = (
+        f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" > {tmp_path}/argv.json"
+    )
+    env = fake_slurm(tmp_path, record_argv, SLURM_JOB_ID="2507", SLURM_RESTART_COUNT="1", SLURM_JOB_NUM_NODES="2",
+                     FAKE_HOSTNAMES="n1 n2", FAKE_NODENAME="n2")  # fmt: skip
+    env.pop("MAIN_PROCESS_PORT", None)
+    subprocess.run(["bash", "scripts/slurm/llama70b.sbatch"], cwd=REPO, env=env, check=True, timeout=60)
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv[argv.index("--machine_rank") + 1] == "1" and argv[argv.index("--num_machines") + 1] == "2"
+    assert argv[argv.index("--main_process_port") + 1] == str(20000 + 227 * 16 + 1), "job 2507's ports, second start"
 
 
 @pytest.mark.parametrize(("code", "should_requeue"),

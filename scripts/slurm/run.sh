@@ -11,15 +11,19 @@ shift 2
 # launcher nor torchrun matches. Dataloader workers match but ignore the signal.
 RANK_PATTERN='python[^ ]* -u [^ ]*recipes/pretrain\.py'
 # The head node's address as Slurm knows it (NodeAddr), not its name, which need not resolve.
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# (awk reads to the end: `head` could exit before scontrol has written, a SIGPIPE that pipefail makes fatal)
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
 head_ip=$(scontrol show node "$head_node" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 # A requeued start may land on the same head node while the previous start's rendezvous port is still held (a node
-# failure kills without a clean close): each start takes the next port.
-port=$(( ${MAIN_PROCESS_PORT:-29500} + ${SLURM_RESTART_COUNT:-0} ))
+# failure kills without a clean close): each start takes the next port. Jobs that share a node (no --exclusive) take
+# ports by job id: 16 for each, from 20000, below Linux's ephemeral ports (32768 on; outgoing connections hold those):
+# two jobs collide only when their ids are a multiple of 760 apart and they share a node.
+job_number=${SLURM_JOB_ID:-}; job_number=${job_number//[^0-9]/}
+port=$(( ${MAIN_PROCESS_PORT:-$(( 20000 + 10#${job_number:-0} % 760 * 16 ))} + ${SLURM_RESTART_COUNT:-0} % 16 ))
 # Elastic: a job submitted with --nodes=1-2 may start on fewer nodes than the accelerate config names (a node failed
 # and the job was requeued). Launch on the nodes this start was given, with the config's processes per node; the
 # recipe (elastic: true) keeps the global batch and converts the checkpoint when the world size changed.
-config_value() { grep -E "^$1:" "$accelerate_config" | head -n 1 | awk '{print $2}'; }
+config_value() { grep -E "^$1:" "$accelerate_config" | awk 'NR == 1 {print $2}'; }
 per_node=$(( $(config_value num_processes) / $(config_value num_machines) ))
 given=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 # An elastic recipe trains on the most of these nodes that keep its global batch (6 given, 128 rows: 4 train).
@@ -27,12 +31,18 @@ nodes=$(python -m recipes.nodes "$recipe" --given "$given" --per-node "$per_node
 echo "$(date -Is) job ${SLURM_JOB_ID:-?} start ${SLURM_RESTART_COUNT:-0}: $nodes node(s) x $per_node process(es)" \
   "$([ "$nodes" = "$given" ] || echo "($given given: the global batch is kept on $nodes; the others wait)")"
 # The first $nodes nodes of the job, the head among them: their SLURM_NODEID are the machine ranks 0..nodes-1.
-nodelist=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n "$nodes" | paste -sd, -)
+nodelist=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk -v n="$nodes" 'NR <= n' | paste -sd, -)
 
+training_pid=""  # set once the ranks' step is started (a signal before then has nothing to save)
 # --signal=B:USR1@600 lands here, in the batch shell. Signal only the training ranks: their
 # handler saves a checkpoint at the next step boundary and exits 0. Signalling torchrun instead
 # would make it kill the ranks after 30 s, too soon for a ~1 TB save.
 save_and_requeue() {
+  if [ -z "$training_pid" ]; then  # nothing to save, and too little time left to start: the next start goes on
+    echo "$(date -Is) time limit near before the ranks started: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+  fi
   echo "$(date -Is) time limit near: asking every rank to save, then requeueing job $SLURM_JOB_ID"
   # On each node, the ranks of this job only (their environment names it): another job's ranks are left alone.
   srun --overlap --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 bash -c '
@@ -69,12 +79,16 @@ requeue_after_failure() {
 # The recipe's overrides reach pretrain.py word for word ("$@", not $* inside a string: `--lr_scheduler_kwargs
 # '{min_lr: 0}'` stays one argument). SLURM_NODEID is expanded by each node's task, hence the single quotes.
 # One task per node, with all the CPUs this job has there (the allocation's tasks may sit two on one node).
+# The machine rank is the node's place in $nodelist, whose first node is the head: Slurm's SLURM_NODEID follows the
+# order of slurm.conf, which need not be the sorted order of the job's node list (rank 0 would then start the
+# rendezvous on a node that is not the head, and no start would ever form).
 # recipes.launch is `accelerate launch` that exits with the ranks' own code (docs/run-safety.md), which Slurm records.
 srun --kill-on-bad-exit=1 --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" bash -c '
-  exec python -m recipes.launch --config_file "$1" --num_machines "$5" --num_processes "$6" --machine_rank "$SLURM_NODEID" \
-    --main_process_ip "$2" --main_process_port "$3" recipes/pretrain.py --config "$4" --resume auto \
-    --metrics_host 0.0.0.0 "${@:7}"
-' run.sh "$accelerate_config" "$head_ip" "$port" "$recipe" "$nodes" "$((nodes * per_node))" "$@" &
+  place=$(tr , "\n" <<< "$7" | grep -nxF -- "${SLURMD_NODENAME:-}" | cut -d: -f1)
+  exec python -m recipes.launch --config_file "$1" --num_machines "$5" --num_processes "$6" \
+    --machine_rank "$(( ${place:-$(( SLURM_NODEID + 1 ))} - 1 ))" --main_process_ip "$2" --main_process_port "$3" \
+    recipes/pretrain.py --config "$4" --resume auto --metrics_host 0.0.0.0 "${@:8}"
+' run.sh "$accelerate_config" "$head_ip" "$port" "$recipe" "$nodes" "$((nodes * per_node))" "$nodelist" "$@" &
 training_pid=$!
 code=0
 wait "$training_pid" || code=$?
