@@ -75,14 +75,15 @@ def test_run_timings_split_scoring_from_generation():
 @pytest.mark.parametrize("name", ["llama70b_a800x8", "llama70b_a800x16"])
 def test_the_70b_recipes_evaluate_within_their_budget(name):
     """Full MMLU and GSM8K at every evaluation, split over the ranks, at an evaluation batch that fits: about 5 % of the
-    training time between evaluations, as the recipes' comments say (4.0 % on 16 GPUs; 5.2 % on 8, where a decoder
+    training time between evaluations, as the recipes' comments say (4.4 % on 16 GPUs; 5.7 % on 8, where a decoder
     layer gathered whole and the next one prefetched leave room for 23 rows, not 27)."""
     config = load_config(REPO / f"recipes/configs/{name}.yaml", ["--model_config.vocab_size", "32000"])
     plan = planner.make_plan(config, planner.hardware_from(config), load_deepspeed_json(planner.DEFAULT_DEEPSPEED_JSON))
     assert config.eval_limit is None and config.eval_tasks == ["mmlu", "gsm8k"]
-    assert plan.eval_share <= 0.055
+    assert plan.eval_share <= 0.06
     assert config.per_device_eval_batch_size <= plan.eval_batch_fits
     header = (REPO / f"recipes/configs/{name}.yaml").read_text()
+    assert f"{plan.eval_share:.1%}".replace("%", " %") in header, "the header's share is the plan's"
     assert f"{plan.eval_forward_passes:,} forward passes per rank" in header
     assert f"{plan.eval_batch_fits} rows fit" in header
 

@@ -37,19 +37,34 @@ def test_a_collective_is_set_by_the_slower_of_the_node_links_and_the_network():
 
 
 def test_the_70b_traffic_per_micro_batch_is_what_zero3_moves():
-    """~138 GB of bf16 parameters gathered three times (a 2-layer checkpoint block exceeds the reuse distance) and
-    reduced once: the issue's (2-3 gathers + 1 reduce) x 138 GB."""
+    """~138 GB of bf16 parameters gathered 2.5 times (of a 2-layer checkpoint block, DeepSpeed keeps the second layer
+    from its recompute to its backward and releases the first: 1.71B parameters come between) and reduced once."""
     config = load_config(RECIPE_8)
     hardware = planner.hardware_from(config)
     shape = {**config.model_config, "vocab_size": 32_000}
     params, _ = llama_parameter_count(**shape)
     flops = training_flops_per_token(params, 80, 2048, 8192)
     modelled = planner.predicted_step(config, hardware, ZERO3, shape, params, flops)
-    assert modelled.gathers_per_micro_batch == 3
-    assert modelled.traffic_gb["gather_per_gpu"] == pytest.approx(3 * 2 * params / 1e9, rel=1e-3)
+    assert modelled.gathers_per_micro_batch == 2.5
+    assert modelled.traffic_gb["gather_per_gpu"] == pytest.approx(2.5 * 2 * params / 1e9, rel=1e-3)
     assert modelled.traffic_gb["reduce_scatter_per_gpu"] == pytest.approx(2 * params / 1e9, abs=0.01)
     every_layer = load_config(RECIPE_8, ["--gradient_checkpointing_layers_per_checkpoint", "1"])
     assert planner.predicted_step(every_layer, hardware, ZERO3, shape, params, flops).gathers_per_micro_batch == 2
+
+
+@pytest.mark.parametrize(("layers", "layer_params", "reuse", "gathers"), [
+    (0, 8.6e8, 1e9, 2.0),  # no recompute: forward and backward
+    (1, 8.6e8, 1e9, 2.0),  # a layer's recompute is followed at once by its backward
+    (2, 8.6e8, 1e9, 2.5),  # the 70B recipes: 1.71B parameters between the first layer's recompute and backward
+    (2, 4.0e8, 1e9, 2.0),  # within the distance: both kept
+    (4, 2.0e8, 1e9, 2.25),  # 6 layers (1.2B) after the first: released; 4 (0.8B) after the second: kept
+])  # fmt: skip
+def test_a_recomputed_layer_is_gathered_again_only_when_its_backward_is_past_the_reuse_distance(
+    layers, layer_params, reuse, gathers
+):
+    from recipes.planning.step_time import gathers_per_micro_batch
+
+    assert gathers_per_micro_batch(layers, layer_params, reuse) == gathers
 
 
 @pytest.mark.parametrize(("path", "gpus"), [(RECIPE_8, 8), (RECIPE_16, 16)])

@@ -87,18 +87,27 @@ def gpu_memory_terms(config: PretrainConfig, shape: dict[str, Any], params: int,
 
 
 def host_memory_terms(config: PretrainConfig, params: int, hardware: Hardware, ds_config: dict[str, Any]):
-    """Host memory per node by term in GB: fp32 master weights, Adam moments and fp32 gradients when offloaded."""
+    """Host memory per node by term in GB, at its peak (a resume): fp32 master weights, Adam moments and fp32 gradients
+    when offloaded, and the optimizer files a resume reads."""
     nodes, per_node = hardware.nodes, hardware.gpus_per_node
     host: dict[str, float] = {}
     host["offloaded_optimizer"] = (16 * params / nodes / GB) if offloads(ds_config, "optimizer") else 0.0
     host["offloaded_parameters"] = (2 * params / nodes / GB) if offloads(ds_config, "param") else 0.0
+    # A resume reads each rank's optimizer file (fp32 master and moments, 12 bytes per parameter) whole into host
+    # memory (torch.load, no mmap) before it copies it into place: with the optimizer offloaded the master and
+    # gradient buffers (8) exist then and the moments (8) not yet, so the peak is 20 bytes per parameter, 4 above the
+    # steady 16; without offload the file passes through host memory on its way to the GPU
+    load = 4 if offloads(ds_config, "optimizer") else 12
+    host["resume_read"] = load * params / nodes / GB
     host["training_processes"] = HOST_OVERHEAD_PER_RANK_GB * per_node
     host["dataloader_workers"] = HOST_PER_DATALOADER_WORKER_GB * config.dataloader_num_workers * per_node
     return {k: round(v, 3) for k, v in host.items()}
 
 
 def checkpoint_terms(config: PretrainConfig, params: int, world: int) -> dict[str, float]:
-    checkpoint_gb = (2 * params + 12 * params) / GB  # bf16 weights + fp32 master and Adam moments
+    # fp32 master weights and Adam moments: under ZeRO-3 DeepSpeed's model-states files hold no weights (the
+    # parameters are partitions, kB per rank); the bf16 weights are the master's, rounded, and are not saved
+    checkpoint_gb = 12 * params / GB
     keep = (config.save_total_limit or 1) + 1  # the new checkpoint is complete before the oldest goes
     return {
         "checkpoint_gb": round(checkpoint_gb, 1),

@@ -3,9 +3,10 @@
 Per micro-batch, every GPU:
 - computes forward and backward (and the recomputed forward with gradient checkpointing) at `compute_efficiency`
   of its peak: the fraction that large bf16 matmuls reach when nothing waits on the network;
-- all-gathers the bf16 parameters for the forward, and again for the backward (the recomputed forward of a
-  checkpointed block and its backward share one gather while a block's parameters are within
-  `stage3_max_reuse_distance`; otherwise the recompute gathers a third time). Parameters of modules smaller than
+- all-gathers the bf16 parameters for the forward, and again for the backward: the recomputed forward of a
+  checkpointed block gathers each of its layers, and DeepSpeed keeps a layer for its backward only when that
+  backward comes within `stage3_max_reuse_distance` parameters of use (`gathers_per_micro_batch`; otherwise it is
+  gathered a third time). Parameters of modules smaller than
   `stage3_param_persistence_threshold` stay resident and are not gathered (in a Llama: the norms);
 - reduce-scatters the bf16 gradients (ZeRO-3 reduces every micro-batch, not only at the step).
 
@@ -174,7 +175,7 @@ class StepTime:
     step: float
     predicted_mfu: float
     bound: str  # "compute", "communication" or "host"
-    gathers_per_micro_batch: int
+    gathers_per_micro_batch: float
     traffic_gb: dict  # per micro-batch, per GPU (intra) and per node (inter)
     host: float = 0.0  # ZeRO-3's hook work per micro-batch
 
@@ -199,10 +200,25 @@ def collective_s(tensor_bytes: float, wires: Wires, gpus: int, nodes: int, intra
     return max(intra, inter)
 
 
+def gathers_per_micro_batch(layers_per_checkpoint: int, layer_params: float, max_reuse_distance: float) -> float:
+    """How many times each parameter is all-gathered per micro-batch, on average over the layers: once for the forward,
+    and for the backward once, or twice where the gradient-checkpointed block's recompute gathers it and DeepSpeed
+    releases it before its backward. Releasing a module, DeepSpeed scans the modules that come next in its trace until
+    `max_reuse_distance` parameters are passed (the check falls before each module) and keeps the parameters it meets
+    there (partitioned_param_coordinator's `__params_to_release`). In a block of k layers, layer j's recompute is
+    followed by the recomputes of layers j+1..k-1 and the backwards of k-1..j+1: 2(k-1-j) layers before its own
+    backward. (The 70B recipes' 2-layer blocks of 0.86B-parameter layers with the default 1e9: the first layer is
+    gathered again, the second kept, 2.5.)"""
+    if not layers_per_checkpoint:
+        return 2.0  # forward, and backward (released in between: the rest of the model comes first)
+    k = layers_per_checkpoint
+    released = sum(1 for j in range(k) if 2 * (k - 1 - j) * layer_params >= max_reuse_distance)
+    return 2.0 + released / k
+
+
 def step_time(work: Workload, zero: Zero3, wires: Wires) -> StepTime:
     gathered_bytes = 2.0 * (work.params - work.persistent_params)
-    reuse_ok = work.layers_per_checkpoint * work.layer_params <= zero.max_reuse_distance
-    gathers = 3 if work.layers_per_checkpoint and not reuse_ok else 2
+    gathers = gathers_per_micro_batch(work.layers_per_checkpoint, work.layer_params, zero.max_reuse_distance)
     hpz = zero.hpz_partition_size > 1 and work.nodes > 1
     quantized_bytes = gathered_bytes * (0.5 if zero.quantized_weights else 1.0)
     # the forward gather, then the backward ones: inside the node from hpZ's bf16 secondary copy, else like the first
