@@ -73,7 +73,46 @@ def main_process_view(read):
     """`read()` on global rank 0, its answer on every rank (a collective). For decisions made from the file system
     that are followed by a collective on some branches only: a node whose network file system lags (attribute
     caching after a requeue) would otherwise take the other branch and leave the rest waiting."""
-    answer = [read() if not _distributed() or dist.get_rank() == 0 else None]
+    answer: list = [None, None]  # the value, or the error rank 0 met (raised on every rank, not on rank 0 alone)
+    if not _distributed() or dist.get_rank() == 0:
+        try:
+            answer[0] = read()
+        except Exception as error:
+            answer[1] = (type(error), str(error))
     if _distributed():
         dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        error_type, message = answer[1]
+        try:
+            failure = error_type(message)
+        except Exception:  # a type that takes other arguments
+            failure = RuntimeError(f"{error_type.__name__}: {message}")
+        raise failure
     return answer[0]
+
+
+def smallest_on_any_rank(value: int, device: torch.device | str = "cpu") -> int:
+    """The smallest of the ranks' `value`s, on every rank (one all-reduce, MIN)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    if _distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def disagreements(values: dict[str, str | None]) -> list[str]:
+    """For each key whose value differs between the ranks, a line naming the ranks, their hosts and both values; the
+    same list on every rank (a collective). For inputs each rank reads itself from its node's file system."""
+    import socket
+
+    if not _distributed():
+        return []
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (socket.gethostname(), values))
+    said = []
+    for key, reference in every[0][1].items():
+        odd = [rank for rank, (_, seen) in enumerate(every) if seen.get(key) != reference]
+        if odd:
+            hosts = sorted({every[rank][0] for rank in odd})
+            said.append(f"{key}: rank 0 ({every[0][0]}) has {reference}, rank(s) {odd} ({', '.join(hosts)}) have "
+                        f"{every[odd[0]][1].get(key)}")  # fmt: skip
+    return said

@@ -36,16 +36,21 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def sync_directory(path: str | Path) -> None:
     """fsync a directory, so that the names created, renamed or removed in it are on storage. A file system that
-    cannot sync a directory (EINVAL: some FUSE and network mounts) makes each operation durable itself; a real I/O
+    cannot sync (EINVAL: some FUSE and network mounts) makes each operation durable itself, or nothing can; a real I/O
     error is raised."""
     descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fsync_if_supported(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def fsync_if_supported(descriptor: int) -> None:
     try:
         os.fsync(descriptor)
     except OSError as error:
         if error.errno not in (errno.EINVAL, errno.ENOTSUP):
             raise
-    finally:
-        os.close(descriptor)
 
 
 def sync_tree(root: str | Path, recursive: bool = True, files: bool = False) -> None:
@@ -56,7 +61,7 @@ def sync_tree(root: str | Path, recursive: bool = True, files: bool = False) -> 
     for path in below if files else []:
         if path.is_file():
             with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
+                fsync_if_supported(handle.fileno())
     directories = [path for path in below if path.is_dir()]
     for directory in sorted(directories, key=lambda path: len(path.parts), reverse=True) + [root]:
         sync_directory(directory)
@@ -68,7 +73,7 @@ def sha256_of(path: str | Path, chunk_bytes: int = 1 << 24, sync: bool = False) 
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         if sync:
-            os.fsync(handle.fileno())
+            fsync_if_supported(handle.fileno())
         while chunk := handle.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()

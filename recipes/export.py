@@ -352,14 +352,22 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
     state, run_dir = trainer.state, Path(config.output_dir)
     source = trainer.save()  # a collective; returns the newest checkpoint when this step is saved already
     if stop.reason is StopReason.EARLY_STOPPING and state.best_checkpoint:
-        source = run_dir / state.best_checkpoint
-        logger.info("exporting the best checkpoint, %s, to final/", state.best_checkpoint)
+        best = run_dir / state.best_checkpoint
+        # saved by an earlier launch, maybe weeks ago, and never re-read since: re-hashed (a collective) unless this
+        # launch saved or loaded it. Damage of the same size gave a final/ of wrong weights and no error.
+        problems = trainer.checkpointer.verify(best)
+        if problems:
+            logger.warning("the best checkpoint, %s, cannot be exported (%s): exporting this step's, %s, instead",
+                           best.name, problems[0], source.name)  # fmt: skip
+        else:
+            source = best
+            logger.info("exporting the best checkpoint, %s, to final/", state.best_checkpoint)
     peaks_by_host = _host_peaks()  # a collective
     if not trainer.accelerator.is_main_process:
         return
     dtype = "bfloat16" if config.bf16 else "float16" if config.fp16 else "float32"
     with _abandoned_on_stop_signal(trainer.signals, source, run_dir / "final"):
-        # the ranks hashed the checkpoint as they saved it: no second read of ~1 TB at 70B before final/
+        # hashed by this launch (saved, loaded or verified above): no second read of ~1 TB at 70B before final/
         final_dir = export_checkpoint(source, run_dir / "final", dtype=dtype, overwrite=True, verify=False,
                                       run_may_hold_output=True, tokenizer=launch.inputs.tokenizer,
                                       tokenizer_path=config.tokenizer_name_or_path)  # fmt: skip

@@ -4,7 +4,7 @@
 
 Takes exactly `accelerate launch`'s arguments. Launched bare, `accelerate launch` (torchrun inside it) exits 1
 whatever the ranks exited with, prints a 35-line traceback after a rank's one-line bad-input error, and on SIGTERM
-signals the ranks and SIGKILLs them 30 s later, before a 70B save (~270 s) can finish, then exits 143. This wrapper:
+signals the ranks and SIGKILLs them 30 s later, before a 70B save (~233 s) can finish, then exits 143. This wrapper:
 
 - exits with the ranks' own code (docs/run-safety.md's table): each rank records the code its `main` returned
   (`write_exit_code`), and the run's code is rank 0's, else the first other failing rank's; a rank that left no

@@ -1,6 +1,7 @@
 """Checkpoint selection, validation and rotation on directories made here (no training needed)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,10 @@ def test_a_truncated_shard_is_caught(tmp_path):
     assert "manifest says 7" in manifest_problems(directory)[0]
     with pytest.raises(CheckpointError, match="cannot resume from the requested checkpoint"):
         find_resume_checkpoint(tmp_path, str(directory))
-    path, notes = find_resume_checkpoint(tmp_path, "auto")
-    assert path is None and "bytes" in notes[0]
+    # the only checkpoint of a used output_dir: a fresh start there (as auto once did, saying so at INFO) would train
+    # from step 0 over the run's history; refused, naming each checkpoint and what is wrong with it
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be resumed: skipped checkpoint-100: .*bytes"):
+        find_resume_checkpoint(tmp_path, "auto")
 
 
 def test_checksums_detect_corruption_of_the_same_size(tmp_path):
@@ -92,7 +95,8 @@ def test_a_manifest_of_the_wrong_shape_is_not_a_complete_checkpoint(tmp_path, ma
     directory = make_checkpoint(tmp_path, 100)
     (directory / "manifest.json").write_text(manifest)
     assert "is not a checkpoint manifest" in manifest_problems(directory)[0]
-    assert find_resume_checkpoint(tmp_path, "auto")[0] is None
+    with pytest.raises(CheckpointError, match="is not a checkpoint manifest"):
+        find_resume_checkpoint(tmp_path, "auto")
 
 
 def test_rotation_keeps_two_and_protects_the_best(tmp_path):
@@ -259,6 +263,13 @@ def test_an_explicit_resume_older_than_the_directorys_newest_is_refused_unless_t
         (later / "manifest.json").write_text(json.dumps({**manifest, "slurm_job_id": "77"}))
         assert resume_request(config) == "auto", "job 77's requeue continues from its own newest"
         (later / "manifest.json").write_text(json.dumps({**manifest, "slurm_job_id": "78"}))
+    # the job's --resume checkpoint rotated away once the job had saved enough: its requeue refused to start ("does
+    # not exist", exit 2, a job waiting for a person) instead of continuing from the job's own newest
+    gone = out / "checkpoint-100"
+    config.resume_from_checkpoint = str(gone)
+    assert resume_request(config) == str(gone), "another job's checkpoint-400: the missing path is said where loaded"
+    (later / "manifest.json").write_text(json.dumps({**manifest, "slurm_job_id": "77"}))
+    assert resume_request(config) == "auto"
     for word in ("auto", "none"):
         config.resume_from_checkpoint = word
         assert resume_request(config) == word
@@ -434,5 +445,91 @@ def test_a_rotation_killed_half_way_leaves_what_the_next_start_removes(tmp_path,
         patch.setattr(shutil, "rmtree", lambda path, ignore_errors=False: None)  # killed inside it
         assert rotate_checkpoints(OneRankSaving(), tmp_path, 2, None) == [tmp_path / "checkpoint-100"]
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["checkpoint-200", "checkpoint-300"]
-    assert [p.name for p, _ in remove_stale_checkpoint_staging(tmp_path)] == [".checkpoint-100.deleting"]
+    # and a universal conversion killed half-way (a start at the old world size never converts, so never removed it)
+    (tmp_path / "checkpoint-200" / ".universal.tmp-4242" / "pytorch_model").mkdir(parents=True)
+    removed = [str(p.relative_to(tmp_path)) for p, _ in remove_stale_checkpoint_staging(tmp_path)]
+    assert removed == [".checkpoint-100.deleting", "checkpoint-200/.universal.tmp-4242"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-200", "checkpoint-300"]
+    assert manifest_problems(tmp_path / "checkpoint-200") == []
+
+
+def test_early_stopping_exports_the_best_checkpoint_only_once_it_is_re_hashed(tmp_path, monkeypatch):
+    """final/ after early stopping came from the best checkpoint unread: one saved by an earlier launch, maybe weeks
+    before, whose damage of the same size gave wrong weights and no error. It is re-hashed now (unless this launch
+    saved or loaded it), and a damaged one gives way to this step's checkpoint, with a warning."""
+    import types
+
+    from recipes import export
+    from recipes.training.checkpointing import Checkpointer
+    from recipes.training.run_state import Stop, StopReason
+
+    best, newest = make_checkpoint(tmp_path, 100), make_checkpoint(tmp_path, 300)
+    exported = []
+    monkeypatch.setattr(export, "export_checkpoint", lambda source, *args, **kwargs: exported.append(source.name))
+    monkeypatch.setattr(export, "_write_record", lambda *args: None)
+    monkeypatch.setattr(export, "_host_peaks", lambda: [])
+    checkpointer = Checkpointer(OneRankSaving(), None, tmp_path, None, {}, {})
+    checkpointer.verified.add(newest)
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(best_checkpoint=best.name), save=lambda: newest,
+                                    checkpointer=checkpointer, accelerator=OneRankSaving(),
+                                    signals=types.SimpleNamespace(received=None))  # fmt: skip
+    config = types.SimpleNamespace(output_dir=str(tmp_path), bf16=True, fp16=False, tokenizer_name_or_path="t")
+    launch = types.SimpleNamespace(inputs=types.SimpleNamespace(tokenizer=None))
+    stop = Stop(StopReason.EARLY_STOPPING)
+    next((best / "pytorch_model").iterdir()).write_bytes(b"WEIGHTS")  # same size, other bytes
+    export.export_run(config, launch, trainer, stop)
+    assert exported == ["checkpoint-300"] and best not in checkpointer.verified
+    make_checkpoint(tmp_path / "again", 100)
+    shutil.copytree(tmp_path / "again" / "checkpoint-100", best, dirs_exist_ok=True)  # restored
+    export.export_run(config, launch, trainer, stop)
+    assert exported == ["checkpoint-300", "checkpoint-100"] and best in checkpointer.verified
+
+
+def test_checkpoint_named_directories_of_another_tool_do_not_block_a_fresh_start(tmp_path):
+    """Refusing a used output_dir whose checkpoints all fail must not refuse one that holds only directories another
+    tool named `checkpoint-N` (no manifest): those are passed over, as before, with a note."""
+    (tmp_path / "checkpoint-500").mkdir()
+    (tmp_path / "checkpoint-500" / "pytorch_model.bin").write_bytes(b"someone else's")
+    path, notes = find_resume_checkpoint(tmp_path, "auto")
+    assert path is None and "no manifest.json" in notes[0]
+
+
+def test_what_was_set_aside_as_damaged_is_named_with_its_size_at_each_start(tmp_path):
+    """Set-aside copies are never deleted by the run (someone may restore them) and are not in its disk plan: each
+    start names them and their size, so that a full disk later is not a surprise."""
+    from recipes.training.output_dir import kept_aside
+
+    make_checkpoint(tmp_path, 100, payload=b"x" * 1000).rename(tmp_path / "checkpoint-100.damaged")
+    converted = make_checkpoint(tmp_path, 200) / "universal.damaged-2" / "zero"
+    converted.mkdir(parents=True)
+    (converted / "fp32.pt").write_bytes(b"y" * 500)
+    assert [(path.relative_to(tmp_path).as_posix(), size) for path, size in kept_aside(tmp_path)] == [
+        ("checkpoint-100.damaged", 1000 + len((tmp_path / "checkpoint-100.damaged" / "manifest.json").read_bytes())),
+        ("checkpoint-200/universal.damaged-2", 500),
+    ]
+
+
+def test_the_watchdog_times_a_save_but_not_the_load_before_the_first_step(monkeypatch):
+    """The save's beats re-arm a running timer; the resume's load comes before the first step (an elastic one reads
+    ~840 GB per rank at 70B) and must not start one: it would end a long load as a "hang"."""
+    import faulthandler
+    import types
+
+    import torch
+
+    from recipes.training.callbacks import HangWatchdog
+
+    armed = []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda timeout, exit: armed.append(timeout))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: armed.append("off"))
+    watchdog = HangWatchdog(1800)
+    trainer = types.SimpleNamespace(model=torch.nn.Linear(2, 2),
+                                    accelerator=types.SimpleNamespace(unwrap_model=lambda model: model))  # fmt: skip
+    watchdog.on_checkpoint_io(trainer)  # the resume's load
+    assert armed == []
+    watchdog.on_train_start(trainer)
+    watchdog.on_checkpoint_io(trainer)  # a save
+    assert armed == [1800, 1800]
+    watchdog.on_train_end(trainer, None)
+    watchdog.on_checkpoint_io(trainer)  # the final export's load, after the loop
+    assert armed == [1800, 1800, "off"]

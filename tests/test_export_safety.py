@@ -3,6 +3,7 @@ reads, two exports at once, a failure half way. Each case ends in one line, exit
 
 import copy
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -256,3 +257,17 @@ def test_an_export_is_on_storage_before_it_takes_its_name(run, tmp_path, monkeyp
     staging_synced_last = len(synced) - 1 - synced[::-1].index(str(staging))
     assert written and set(written) <= set(synced[:staging_synced_last]), "files first, then the directory"
     assert synced[-1] == str(tmp_path), "the rename, last"
+
+
+def test_a_checkpoint_holds_12_bytes_per_parameter_as_the_planner_says(trained_run):
+    """The planner sized a checkpoint as bf16 weights and optimizer state (14 bytes per parameter, 966 GB at 70B);
+    ZeRO-3 saves the fp32 master weights and both Adam moments only (its model-states files are kB): 12."""
+    from safetensors import safe_open
+
+    from recipes.training.checkpointing import read_manifest
+
+    with safe_open(str(trained_run["dir"] / "final" / "model.safetensors"), "pt") as weights:
+        params = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118 (no __iter__)
+    files = read_manifest(trained_run["dir"] / "checkpoint-40")["files"]
+    saved = sum(entry["bytes"] for name, entry in files.items() if name.startswith("pytorch_model/"))
+    assert saved / params == pytest.approx(12, rel=0.02)

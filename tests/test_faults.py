@@ -62,6 +62,11 @@ def test_loss_spikes_are_logged_then_rolled_back_with_the_data_window_skipped(tm
     skipped = first - checkpoint  # steps of data between the checkpoint and the spike, not trained on again
     assert [p["rows_consumed"] for p in position["per_rank"]] == [(STEPS + skipped) * ROWS_PER_STEP_PER_RANK] * 2
     assert "logged only" in rolled.stderr or len(spikes) == 1, "after the one allowed rollback, spikes are logged"
+    # the count is the run's, saved with it: a requeued launch used to start it over, and roll back again and again
+    from recipes.training.checkpointing import read_trainer_state
+
+    saved = read_trainer_state(tmp_path / "rollback" / f"checkpoint-{STEPS}")["run_state"]
+    assert saved["loss_spike_rollbacks"] == 1
 
 
 def test_a_save_that_fails_for_lack_of_space_keeps_the_previous_checkpoint(tmp_path, corpus):

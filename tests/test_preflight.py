@@ -4,6 +4,7 @@ refusal reaching the user as one line, with nothing built."""
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -74,7 +75,8 @@ def preflight_refusal(corpus, output_dir, **overrides) -> str:
     ds_config = resolve_deepspeed_config(
         load_deepspeed_json(REPO / "accelerate_configs/deepspeed/zero3.json"), config, world_size=2
     )
-    accelerator = SimpleNamespace(num_processes=2, process_index=0, is_main_process=True, is_local_main_process=True)
+    accelerator = SimpleNamespace(num_processes=2, process_index=0, is_main_process=True, is_local_main_process=True,
+                                  device="cpu")  # fmt: skip
     try:
         preflight(config, accelerator, ds_config)
     except (ConfigError, ValueError) as error:
@@ -274,7 +276,8 @@ def test_a_running_runs_tokenizer_cannot_be_trained_over(corpus, tmp_path, capsy
                                          config, world_size=2)  # fmt: skip
     from types import SimpleNamespace
 
-    accelerator = SimpleNamespace(num_processes=2, process_index=0, is_main_process=True, is_local_main_process=True)
+    accelerator = SimpleNamespace(num_processes=2, process_index=0, is_main_process=True, is_local_main_process=True,
+                                  device="cpu")  # fmt: skip
     inputs = preflight(config, accelerator, ds_config)
     assert held_by_someone(tokenizer_pin(tokenizer))
     again = ["--input", str(corpus["train"]), "--vocab-size", "512", "--output", str(tokenizer), "--overwrite"]
@@ -285,3 +288,37 @@ def test_a_running_runs_tokenizer_cannot_be_trained_over(corpus, tmp_path, capsy
     inputs.tokenizer_pin.release()  # the run ends
     assert not tokenizer_pin(tokenizer).exists()
     train_tokenizer([*again[:3], "300", *again[4:]])
+
+
+def _ranks_that_read_different_files(rank, outcome_dir):
+    """Rank 1 read a validation file of its node that differs in one token; its node also has less memory."""
+    import torch
+
+    from common.collectives import smallest_on_any_rank
+    from recipes.config import ConfigError
+    from recipes.training.startup import check_ranks_read_alike
+
+    rows = torch.arange(12).reshape(3, 4)
+    check_ranks_read_alike({"tokenizer": "t"}, rows, "sdpa")  # alike: nothing said
+    if rank == 1:
+        rows[2, 3] = 99
+    try:
+        check_ranks_read_alike({"tokenizer": "t"}, rows, "sdpa")
+    except ConfigError as error:
+        (Path(outcome_dir) / f"rank-{rank}.txt").write_text(str(error))
+    (Path(outcome_dir) / f"batch-{rank}.txt").write_text(str(smallest_on_any_rank(23 if rank else 32)))
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_read_different_inputs_are_refused_on_every_rank_and_take_the_smallest_eval_batch(tmp_path):
+    """Each rank reads the tokenizer, data and validation files from its own node: a node-local copy that differed
+    gave its ranks another number of validation batches (a hang at the first evaluation) or other training rows. Every
+    rank now compares with rank 0 before the model and all refuse together, naming the ranks and hosts; the
+    evaluation batch is the smallest any node fits (nodes of unlike memory)."""
+    from gloo_ranks import on_ranks
+
+    on_ranks(_ranks_that_read_different_files, 2, tmp_path, str(tmp_path), timeout_s=30)
+    said = [(tmp_path / f"rank-{rank}.txt").read_text() for rank in (0, 1)]
+    assert said[0] == said[1] and said[0].startswith("the ranks read different inputs")
+    assert "validation rows (sha256): rank 0 (" in said[0] and "rank(s) [1]" in said[0] and "identity" not in said[0]
+    assert [(tmp_path / f"batch-{rank}.txt").read_text() for rank in (0, 1)] == ["23", "23"]

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,11 +216,16 @@ def test_export_reads_the_universal_form_when_the_rank_shards_are_gone(tmp_path,
     synced, real_fsync = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
     ensure_universal(checkpoint)
-    assert has_universal(checkpoint) and not (checkpoint / elastic.STAGING).exists()
-    listed = synced.index(str(checkpoint / elastic.STAGING / ".conversion.json.tmp"))
-    converted = [str(checkpoint / elastic.STAGING / p.relative_to(checkpoint / "universal"))
+    assert has_universal(checkpoint) and not list(checkpoint.glob(f"{elastic.STAGING}*"))
+    staging = Path(next(path for path in synced if path.endswith("/.conversion.json.tmp"))).parent
+    assert staging.name.startswith(f"{elastic.STAGING}-"), "a staging directory of this conversion's own"
+    listed = synced.index(str(staging / ".conversion.json.tmp"))
+    converted = [str(staging / p.relative_to(checkpoint / "universal"))
                  for p in (checkpoint / "universal").rglob("*") if p.name != "conversion.json"]  # fmt: skip
     assert converted and set(converted) <= set(synced[:listed]) and synced[-1] == str(checkpoint)
+    # the listing names the start that converted: a waiting rank whose file system lags takes no earlier one for it
+    attempt = json.loads((checkpoint / "universal" / "conversion.json").read_text())["attempt"]
+    assert elastic.converted_by(checkpoint, attempt) and not elastic.converted_by(checkpoint, "an earlier start")
     assert not (checkpoint / elastic.FAILED).exists()
     from_shards = export_checkpoint(checkpoint, tmp_path / "from_shards", dtype="float32")
     for shard in (checkpoint / "pytorch_model").glob("*optim_states.pt"):
@@ -257,9 +263,20 @@ def test_a_failed_conversion_publishes_nothing_and_every_rank_says_why(tmp_path,
         shard.write_bytes(b"truncated")  # a shard damaged after its manifest was checked
     with pytest.raises(CheckpointError, match="elastic: converting .*checkpoint-6 to the universal format failed"):
         ensure_universal(checkpoint)
-    assert not has_universal(checkpoint) and not (checkpoint / elastic.STAGING).exists()
+    assert not has_universal(checkpoint) and not list(checkpoint.glob(f"{elastic.STAGING}*"))
     with pytest.raises(CheckpointError, match="to the universal format failed"):  # a rank that waited for rank 0
         elastic.wait_for_conversion(checkpoint)
+    # a node whose file system still shows an earlier start's marker waits for this start's outcome
+    import threading
+
+    earlier = json.loads((checkpoint / elastic.FAILED).read_text())
+    assert earlier["attempt"] and "to the universal format failed" in earlier["message"]
+    later = threading.Timer(0.5, lambda: (checkpoint / elastic.FAILED).write_text(
+        json.dumps({"attempt": "this start", "message": "this start's own failure"})))  # fmt: skip
+    later.start()
+    with pytest.raises(CheckpointError, match="^this start's own failure$"):
+        elastic.wait_for_conversion(checkpoint, "this start")
+    later.join()
 
 
 def test_data_that_ends_before_max_steps_still_gets_its_last_step_evaluated_saved_and_exported(tmp_path, corpus):
@@ -327,7 +344,10 @@ def test_a_damaged_or_empty_universal_form_is_set_aside_and_converted_again(tmp_
         f"{changed}: sha256 differs from the conversion's conversion.json (the file was changed or damaged)"
     ]
     ensure_universal(checkpoint)
-    assert verify_universal_share(checkpoint, 0, 1) == [] and (checkpoint / elastic.DAMAGED / changed.relative_to(
+    # the third copy set aside, beside the two before it (never deleted: someone's only copy, maybe)
+    third = checkpoint / f"{elastic.DAMAGED}-3"
+    assert (checkpoint / elastic.DAMAGED).is_dir() and (checkpoint / f"{elastic.DAMAGED}-2").is_dir()
+    assert verify_universal_share(checkpoint, 0, 1) == [] and (third / changed.relative_to(
         checkpoint / UNIVERSAL_DIR)).read_bytes() == bytes(data), "the damaged copy is kept aside"  # fmt: skip
 
     shutil.rmtree(zero / "model.layers.0.mlp.up_proj.weight")

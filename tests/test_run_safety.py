@@ -161,6 +161,10 @@ def test_a_resume_through_what_real_directories_collect_is_exact(tmp_path, finis
     resumed = launch(PRETRAIN, run_args(corpus, output_dir), env=env, timeout_s=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"skipped checkpoint-16: {shard}" in resumed.stderr and "checkpoint-12 at step 12" in resumed.stderr
+    # set aside, not deleted and not counted by rotation as one of the checkpoints it keeps; the run saved step 16 anew
+    assert "set checkpoint-16 aside as checkpoint-16.damaged" in resumed.stderr
+    assert (output_dir / "checkpoint-16.damaged" / "pytorch_model" / shard.name).is_file()
+    assert verify_checksums(output_dir / "checkpoint-16") == []
     assert "is not a metrics record (torn by a kill?); dropped" in resumed.stderr
     assert train_losses(output_dir) == train_losses(finished), "resumed from checkpoint-12, bit-exact to the end"
 

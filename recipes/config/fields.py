@@ -250,7 +250,8 @@ class PretrainConfig:
         default=3,
         metadata={
             "help": (
-                "Rollbacks before the rule only logs (spikes that keep coming back need a person, not more rollbacks)."
+                "Rollbacks over the whole run, every launch, before the rule only logs (spikes that keep coming back "
+                "need a person, not more rollbacks)."
             )
         },
     )

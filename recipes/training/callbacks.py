@@ -62,7 +62,7 @@ class LossSpikeGuard(Callback):
 
     def __init__(self, factor: float, window: int, action: str, max_rollbacks: int):
         self.rule = LossSpikeRule(factor, window)
-        self.action, self.max_rollbacks, self.rollbacks = action, max_rollbacks, 0
+        self.action, self.max_rollbacks = action, max_rollbacks
 
     def on_step_end(self, trainer: TrainerView, result: StepResult, control: Control) -> None:
         # One scalar all-reduce per step (a 70B step takes ~100 s).
@@ -71,7 +71,7 @@ class LossSpikeGuard(Callback):
         if running_mean is None:
             return
         last = trainer.checkpointer.last
-        act = self.action == "rollback" and last is not None and self.rollbacks < self.max_rollbacks
+        act = self.action == "rollback" and last is not None and trainer.state.loss_spike_rollbacks < self.max_rollbacks
         logger.warning(
             "step %d: loss spike %.4f > %.2f x running mean %.4f; %s",
             trainer.state.step,
@@ -82,8 +82,8 @@ class LossSpikeGuard(Callback):
         )
         spike = {"loss_spike": step_loss, "loss_running_mean": running_mean, "loss_spike_step": trainer.state.step}
         if act:
-            self.rollbacks += 1
             trainer.load_checkpoint(last, skip=("data_position",))  # every rank reloads; the data position stays
+            trainer.state.loss_spike_rollbacks += 1
             spike["rolled_back_to_step"] = trainer.state.step
             control.step_undone = True
         trainer.metrics.write(trainer.state.step, spike)
@@ -362,7 +362,10 @@ class HangWatchdog(Callback):
         self.beat()
 
     def on_checkpoint_io(self, trainer: TrainerView) -> None:
-        self.beat()  # a save of ~120 GB per rank (write, sync, hash) can outlast the timeout: each file is progress
+        # a save of ~104 GB per rank (write, sync, hash) can outlast the timeout: each file is progress. Only a running
+        # timer: the resume's load comes before the first step (an elastic one reads ~840 GB per rank), untimed
+        if self._hook is not None:
+            self.beat()
 
     def on_save(self, trainer: TrainerView, path: Path) -> None:
         self.beat()
@@ -373,3 +376,4 @@ class HangWatchdog(Callback):
         faulthandler.cancel_dump_traceback_later()
         if self._hook is not None:
             self._hook.remove()
+            self._hook = None

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from common.collectives import ranks_where
+from common.collectives import main_process_view, ranks_where
 from common.files import atomic_write_text, sha256_of, sync_tree
 from common.lock import held_by_someone
 
@@ -111,6 +111,15 @@ def verify_share(directory: Path, rank: int, world_size: int) -> list[str]:
     return verify_files(directory, read_manifest(directory)["files"], rank, world_size, "the manifest")
 
 
+def verify_on_every_rank(accelerator, directory: Path) -> list[str]:
+    """Every file of `directory` against its manifest, each rank re-hashing its share (a collective); the problems
+    found on any rank, on every rank."""
+    from accelerate.utils import gather_object
+
+    share = verify_share(directory, accelerator.process_index, accelerator.num_processes)
+    return [problem for part in gather_object([share]) for problem in part]
+
+
 def verify_files(root: Path, files: dict[str, dict], rank: int, world_size: int, record: str) -> list[str]:
     loads = [0] * world_size
     problems = []
@@ -140,11 +149,12 @@ def find_resume_checkpoint(
 ) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from, and notes on what was passed over.
 
-    `resume` is "auto" (the newest complete checkpoint of output_dir whose files match their checksums; none is
-    fine), "none", or a path (which must be complete and match, else CheckpointError). `verify` re-hashes a
-    candidate (split over the ranks); `agree` gives every rank the main process's view (a lagging node's differs)."""
-    notes = []
-    for path in agree(resume_candidates(output_dir, resume)):
+    `resume` is "auto" (the newest complete checkpoint of output_dir whose files match their checksums; none there is
+    a fresh start, and none that can be used a CheckpointError), "none", or a path (which must be complete and match,
+    else CheckpointError). `verify` re-hashes a candidate (split over the ranks); `agree` gives every rank the main
+    process's view (a lagging node's differs)."""
+    notes, candidates = [], agree(resume_candidates(output_dir, resume))
+    for path in candidates:
         problems = agree(manifest_problems(path) if path.is_dir() else [f"{path} does not exist"])
         problems = problems or verify(path)
         if not problems:
@@ -154,6 +164,13 @@ def find_resume_checkpoint(
         notes.append(
             f"skipped {path.name}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if problems[1:] else "")
         )
+    # a used output_dir (a checkpoint of this package's is there): starting over would train from step 0 over a run's
+    # history, unasked. Directories named like checkpoints without a manifest alone (another tool's) are passed over
+    if notes and agree(any((path / MANIFEST).is_file() for path in candidates)):
+        raise CheckpointError(
+            f"no checkpoint in {output_dir} can be resumed: " + "; ".join(notes) + ". Restore one (or pass "
+            "--resume PATH to one elsewhere), or start over with --resume none and overwrite_output_dir: true"
+        )
     return None, notes
 
 
@@ -161,9 +178,10 @@ def newer_than_requested(output_dir: str | Path, requested: Path) -> Path | None
     """The newest complete checkpoint of `output_dir` when it is past the step of `requested` (an explicit
     `--resume PATH`), else None. Continuing from the older one there would mix two trajectories: rotation keeps the
     higher steps (and deletes the new saves), and `--resume auto` later picks the abandoned run's newest."""
-    if not requested.is_dir() or manifest_problems(requested):
+    if requested.is_dir() and manifest_problems(requested):
         return None  # what is wrong with the request itself is said where it is loaded
-    step = read_manifest(requested)["step"]
+    # gone (rotation deletes a job's --resume checkpoint once it has saved enough): any complete one is later
+    step = read_manifest(requested)["step"] if requested.is_dir() else -1
     newer = [path for path in checkpoint_dirs(output_dir) if step_of(path) > step and not manifest_problems(path)]
     return newer[-1] if newer else None
 
@@ -252,7 +270,7 @@ def _publish(accelerator, staging: Path, final: Path, step: int, progress: Calla
     """Hash, write the manifest last, rename, point `latest` at it (a collective; moves on the main process)."""
     from accelerate.utils import gather_object
 
-    # Each rank syncs to storage and hashes the shards it wrote, in parallel (at 70B each holds ~120 GB of the ~1 TB):
+    # Each rank syncs to storage and hashes the shards it wrote, in parallel (at 70B each holds ~104 GB of the ~830 GB):
     # without the sync, a power loss after the rename below could leave a published checkpoint of empty files
     failure, mine = "", {}
     try:
@@ -290,7 +308,12 @@ def _publish(accelerator, staging: Path, final: Path, step: int, progress: Calla
 def remove_checkpoint(path: Path) -> None:
     """Rename `path` to `.checkpoint-N.deleting`, then delete it (a leftover of a killed deletion: `deleting`)."""
     doomed = path.with_name(f".{path.name}.deleting")
-    os.replace(path, doomed)
+    try:
+        shutil.rmtree(doomed, ignore_errors=True)  # an earlier deletion's leftover of the same name
+        os.replace(path, doomed)
+    except OSError as error:  # on the main process alone, the others waiting in a barrier: delete in place
+        logger.warning("rotation: could not rename %s (%s); deleting it in place", path.name, error)
+        doomed = path
     shutil.rmtree(doomed, ignore_errors=True)
 
 
@@ -369,6 +392,7 @@ class Checkpointer:
         self.output_dir, self.save_total_limit, self.run_files = Path(output_dir), save_total_limit, run_files
         self.stateful = stateful
         self.last = last  # the newest checkpoint this run published or resumed from
+        self.verified: set[Path] = set()  # what this launch hashed: its own saves, and the checkpoint it loaded
         self.progress: Callable[[], None] = lambda: None  # called through saves and loads (the hang watchdog's beat)
 
     def save(self, step: int, protected: str | None = None) -> Path:
@@ -380,7 +404,18 @@ class Checkpointer:
         best = self.output_dir / protected if protected else None
         rotate_checkpoints(self.accelerator, self.output_dir, self.save_total_limit, best, self.progress)
         self.last = path
+        self.verified.add(path)
         return path
+
+    def verify(self, path: Path) -> list[str]:
+        """What is wrong with `path` ([]: nothing), re-hashed by every rank unless this launch saved or loaded it."""
+        if path in self.verified:
+            return []
+        problems = main_process_view(lambda: manifest_problems(path) if path.is_dir() else [f"{path} does not exist"])
+        problems = problems or verify_on_every_rank(self.accelerator, path)
+        if not problems:
+            self.verified.add(path)
+        return problems
 
     def load(self, path: Path, skip: tuple[str, ...] = ()) -> bool:
         """Model, optimizer, RNG states and every stateful part not in `skip`, as saved in `path`; returns
@@ -401,4 +436,5 @@ class Checkpointer:
             if name not in skip:
                 part.load_state_dict(saved[name])
         self.last = path
+        self.verified.add(path)  # a resume re-hashes what it loads (recipes.training.resume), a rollback loads `last`
         return same_world

@@ -11,9 +11,10 @@ import shutil
 from pathlib import Path
 
 from common.collectives import on_main_process
+from common.files import sync_directory, sync_tree
 from common.lock import DirectoryLock, FileLock, LockedError, describe
 from recipes.config import ConfigError, PretrainConfig
-from recipes.training import checkpointing
+from recipes.training import checkpointing, elastic
 from recipes.training.callbacks import Benchmarks
 
 logger = logging.getLogger("pretrain")
@@ -39,7 +40,11 @@ def lock(config: PretrainConfig) -> DirectoryLock | None:
             logger.warning("output_dir: took over the lock of a dead run (%s)", describe(held.took_over))
         # now, before an elastic conversion writes ~1 TB beside them at 70B
         for staging, size in remove_stale_checkpoint_staging(Path(config.output_dir)):
-            logger.warning("removed %s (%.1f GB), left by a save or a deletion that was killed", staging, size / 1e9)
+            logger.warning("removed %s (%.1f GB), left by a save, deletion or conversion that was killed", staging,
+                           size / 1e9)  # fmt: skip
+        for aside, size in kept_aside(Path(config.output_dir)):  # never deleted by the run, and not in its disk plan
+            logger.warning("%s (%.1f GB) was set aside as damaged; delete it once you do not need it", aside,
+                           size / 1e9)  # fmt: skip
         return held
 
     return on_main_process(take, catch=(ConfigError,))
@@ -126,18 +131,31 @@ def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
 
 def remove_stale_checkpoint_staging(output_dir: Path) -> list[tuple[Path, int]]:
     """`.checkpoint-N.tmp` directories left by saves that were killed (at 70B up to ~1 TB of hidden files), and
-    `.checkpoint-N.deleting` ones left by rotations that were killed, removed
+    `.checkpoint-N.deleting` ones left by rotations that were killed, and universal conversions' staging, removed
     at a start, where no save of this directory can be at work (the run holds its lock). Returns them with their
     bytes."""
     removed = []
-    for staging in sorted(output_dir.glob(".checkpoint-*.tmp")) + checkpointing.deleting(output_dir):
+    conversions = sorted(output_dir.glob(f"checkpoint-*/{elastic.STAGING}*"))  # killed ones, ~830 GB each at 70B
+    for staging in sorted(output_dir.glob(".checkpoint-*.tmp")) + checkpointing.deleting(output_dir) + conversions:
         removed.append((staging, remove_tree(staging)))
     return removed
 
 
+def kept_aside(output_dir: Path) -> list[tuple[Path, int]]:
+    """Damaged checkpoints and universal conversions the run set aside, with their bytes."""
+    found = sorted(output_dir.glob("checkpoint-*.damaged*")) + sorted(
+        output_dir.glob("checkpoint-*/universal.damaged*")
+    )
+    return [(path, tree_bytes(path)) for path in found if path.is_dir()]
+
+
+def tree_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
 def remove_tree(directory: Path) -> int:
     """Remove `directory`; returns the bytes its files held (for the warning that says what went)."""
-    size = sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+    size = tree_bytes(directory)
     shutil.rmtree(directory, ignore_errors=True)
     return size
 
@@ -164,8 +182,10 @@ def keep_tokenizer(output_dir: Path, tokenizer, loaded_from: str) -> None:
     staging = output_dir / f".{checkpointing.TOKENIZER_COPY}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     tokenizer.save_pretrained(staging)
+    sync_tree(staging, files=True)  # an export from disk trusts this copy: on storage before it takes the name
     shutil.rmtree(copy, ignore_errors=True)
     os.replace(staging, copy)
+    sync_directory(output_dir)
 
 
 # Errors of the place, not of the moment: another launch fails the same way, so they are bad input (exit 2, which

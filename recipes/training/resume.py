@@ -160,15 +160,16 @@ def _short(value: Any, limit: int | None = 80) -> str:
 
 def choose_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
     """The newest checkpoint whose files all match their sha256 (every rank hashes its share; a collective);
-    a damaged one is skipped for the previous one with a warning, and an explicit `--resume PATH` is refused."""
-    from accelerate.utils import gather_object
+    a damaged one is skipped for the previous one with a warning (and set aside once an older one verifies), and an
+    explicit `--resume PATH` is refused."""
+    damaged: list[Path] = []
 
     def verify(path: Path) -> list[str]:
         started = time.perf_counter()
-        share = checkpointing.verify_share(path, accelerator.process_index, accelerator.num_processes)
-        problems = [problem for part in gather_object([share]) for problem in part]
+        problems = checkpointing.verify_on_every_rank(accelerator, path)
         size_gb = sum(entry["bytes"] for entry in checkpointing.read_manifest(path)["files"].values()) / 1e9
         logger.info("resume: verified %s (%.2f GB) in %.1f s", path.name, size_gb, time.perf_counter() - started)
+        damaged.extend([path] if problems else [])
         return problems
 
     def agree(value):  # the main process's view of output_dir, on every rank (a collective)
@@ -180,9 +181,28 @@ def choose_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
     path, notes = checkpointing.find_resume_checkpoint(config.output_dir, resume, verify, agree)
     for note in notes:
         logger.warning("resume: %s", note)
+    if path is not None and damaged and accelerator.is_main_process:
+        for directory in damaged:
+            set_aside(directory)
+    accelerator.wait_for_everyone()
     if path is None:
         logger.info("resume: starting from scratch (resume_from_checkpoint=%s)", config.resume_from_checkpoint)
     return path
+
+
+def set_aside(checkpoint: Path) -> Path:
+    """Rename a checkpoint whose files differ from their checksums out of the `checkpoint-N` pattern: kept as a
+    complete checkpoint, rotation would count it among the ones it keeps (and delete a good one), and a `--resume` of
+    an older one would be refused for it. Never deleted: someone may be able to restore it."""
+    aside = checkpoint.with_name(f"{checkpoint.name}.damaged")
+    number = 1
+    while aside.exists():
+        number += 1
+        aside = checkpoint.with_name(f"{checkpoint.name}.damaged-{number}")
+    os.replace(checkpoint, aside)
+    logger.warning("resume: set %s aside as %s (its files differ from their sha256); delete it once it is not needed",
+                   checkpoint.name, aside.name)  # fmt: skip
+    return aside
 
 
 def resume_request(config: PretrainConfig) -> str:
@@ -200,6 +220,8 @@ def resume_request(config: PretrainConfig) -> str:
         logger.warning("resume: this job (Slurm job %s) started from %s and has saved %s since; its requeue continues "
                        "from that (a requeue repeats the job's --resume)", job, requested, newer.name)  # fmt: skip
         return "auto"
+    if not Path(requested).is_dir():
+        return requested  # a path that is not there: said where it is loaded
     raise checkpointing.CheckpointError(
         f"--resume {requested}: {config.output_dir} holds {newer.name}, a later step; continuing from the older one "
         "would mix two runs (rotation keeps the later steps, and --resume auto picks them). Resume with --resume auto, "

@@ -28,6 +28,9 @@ class RunState:
     # last checkpoint is redone, and counted once). A checkpoint from before these fields starts them at 0.
     wall_seconds: float = 0.0
     launches: int = 0
+    # Loss-spike rollbacks over every launch (a cap per launch let a requeued run roll back again and again). A rollback
+    # keeps the count it had (the checkpoint it reloads holds an older one).
+    loss_spike_rollbacks: int = 0
 
     def key_best_to(self, validation_sha256: str) -> str | None:
         """Keep the best loss and the patience count only if they were measured on this validation set; otherwise

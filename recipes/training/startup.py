@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from common.collectives import on_every_rank, on_main_process
+from common.collectives import disagreements, on_every_rank, on_main_process, smallest_on_any_rank
 from common.hardware import cpu_has_native_bf16
 from common.process import local_world_size
 from data_prep.reading.readers import resolve_sources
@@ -216,7 +216,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         config, live_hardware(config, accelerator.num_processes), ds_config, vocab_size=model_config.vocab_size
     )
     logger.info("preflight %s", format_plan(plan, config))
-    if config.elastic and fit_eval_batch(config, plan.eval_batch_fits, accelerator.num_processes):
+    if settle_eval_batch(config, plan.eval_batch_fits, accelerator):
         benchmarks = benchmark_settings(config)
     if not plan.fits and config.preflight_strict:
         raise ConfigError(
@@ -231,17 +231,9 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         report_to = config.report_to
         on_every_rank(lambda: accelerator.is_main_process and check_trackers(report_to), catch=(ConfigError,))
     identity = run_identity(config, model_config, tokenizer, accelerator.num_processes)
-    return RunInputs(
-        tokenizer,
-        model_config,
-        attn_implementation,
-        train_source,
-        validation,
-        benchmarks,
-        identity,
-        plan_predictions(plan),
-        pin,
-    )
+    check_ranks_read_alike(identity, validation, attn_implementation)
+    return RunInputs(tokenizer, model_config, attn_implementation, train_source, validation, benchmarks, identity,
+                     plan_predictions(plan), pin)  # fmt: skip
 
 
 def check_prompt_lengths(benchmarks: BenchmarkSettings, tokenizer, positions: int, strict: bool) -> None:
@@ -273,6 +265,37 @@ def checked_model_config(config: PretrainConfig, tokenizer):
     )
     check_leaf_modules(config.zero3_leaf_modules, model_config)
     return model_config
+
+
+def check_ranks_read_alike(identity: dict, validation: torch.Tensor | None, attn_implementation: str) -> None:
+    """Each rank reads the tokenizer, the data and the validation files from its own node's file system: a node-local
+    copy that differs trained other rows, or gave its ranks another number of validation batches, which hung the
+    first evaluation hours in. Refused on every rank before the model (a collective)."""
+    import hashlib
+    import json
+
+    from recipes.training.validation import rows_sha256
+
+    said = disagreements({
+        "run identity (tokenizer, model, data: sha256)": hashlib.sha256(
+            json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16],
+        "validation rows (sha256)": rows_sha256(validation)[:16] if validation is not None else None,
+        "attention implementation": attn_implementation,
+    })  # fmt: skip
+    if said:
+        raise ConfigError("the ranks read different inputs (a copy on one node's local disk that differs?): "
+                          + "; ".join(said))  # fmt: skip
+
+
+def settle_eval_batch(config: PretrainConfig, fits: int | None, accelerator) -> bool:
+    """The evaluation batch of every rank: what the plan says fits an elastic run's world size, and the smallest any
+    node fits (nodes of unlike memory ran different numbers of evaluation forwards: a hang). Whether it changed (a
+    collective)."""
+    changed = config.elastic and fit_eval_batch(config, fits, accelerator.num_processes)
+    smallest = smallest_on_any_rank(config.per_device_eval_batch_size, accelerator.device)
+    changed = changed or smallest != config.per_device_eval_batch_size
+    config.per_device_eval_batch_size = smallest
+    return changed
 
 
 def fit_eval_batch(config: PretrainConfig, fits: int | None, world_size: int) -> bool:

@@ -181,11 +181,12 @@ class Trainer:
     def load_checkpoint(self, path: Path, skip: tuple[str, ...] = ()) -> None:
         """Model, optimizer, RNG states and the stateful parts not in `skip` from `path` (a collective), and
         `metrics.jsonl` cut back to its step. Resume and loss-spike rollback both come through here."""
-        launches = self.state.launches  # a rollback restores the step, not the run's count of launches
+        # a rollback restores the step, not the run's counts of launches and rollbacks
+        counts = self.state.launches, self.state.loss_spike_rollbacks
         hyperparameters = group_hyperparameters(self.optimizer)  # as the recipe built them
         same_world = self.checkpointer.load(path, skip)
         if self._launch is not None:
-            self.state.launches = launches
+            self.state.launches, self.state.loss_spike_rollbacks = counts
         replay_cpu_adam_bias_correction(self.optimizer)
         if not same_world:  # loaded from universal/, whose loader gives every group the first group's values
             restore_group_hyperparameters(self.optimizer, hyperparameters)
