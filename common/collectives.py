@@ -74,13 +74,16 @@ def main_process_view(read):
     that are followed by a collective on some branches only: a node whose network file system lags (attribute
     caching after a requeue) would otherwise take the other branch and leave the rest waiting."""
     answer: list = [None, None]  # the value, or the error rank 0 met (raised on every rank, not on rank 0 alone)
+    original = None
     if not _distributed() or dist.get_rank() == 0:
         try:
             answer[0] = read()
         except Exception as error:
-            answer[1] = (type(error), str(error))
+            original, answer[1] = error, (type(error), str(error))
     if _distributed():
         dist.broadcast_object_list(answer, src=0)
+    if original is not None:
+        raise original  # as it was (an OSError keeps its errno: a full disk is still exit 4)
     if answer[1] is not None:
         error_type, message = answer[1]
         try:

@@ -134,10 +134,18 @@ class DirectoryLock:
         # cut off from the cluster) rewrote it: the file is that start's now, and stays
         with contextlib.suppress(FileNotFoundError):
             # (or a person deleted it, as a lock from another host's dead run asks, and a new run wrote its own)
-            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino and _read(self._fd) == self._written:
+            # read afresh, by path: through a descriptor held for days an NFS client may serve its old pages
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino and _read_path(self.path) == self._written:
                 os.unlink(self.path)  # before the flock goes, so no one takes over a lock file about to vanish
         os.close(self._fd)
         self._fd = None
+
+
+def _read_path(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
 
 
 def _read(fd: int) -> dict:

@@ -13,16 +13,18 @@ from typing import NoReturn
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> bool:
     """Have the kernel send `sig` to this process when its parent dies (Linux; returns False elsewhere).
 
     torchrun starts every rank in a session of its own, so a launcher killed by SIGKILL (or a node agent that
     loses it) would leave the ranks training on as orphans beside the relaunch. SIGKILL, not SIGTERM: an
     orphaned rank must not try to save, since its peers may be gone; the last published checkpoint is intact.
-    Call it from the child, early: the kernel ties the signal to the thread that forked it."""
+    Call it from the child, early: the kernel ties the signal to the thread that forked it. `parent`: the pid the
+    parent had, for a child that calls this only after an exec and an interpreter's start (its parent may be gone by
+    then, and init's pid would be taken for it)."""
     if not sys.platform.startswith("linux"):
         return False
-    parent = os.getppid()
+    parent = parent or os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         return False
@@ -111,3 +113,12 @@ def run_as_rank(main: Callable[[], int | None]) -> NoReturn:
         traceback.print_exc()
         code = 1
     exit_process(code)
+
+
+def stacks_on_request(sig: int = signal.SIGUSR2) -> None:
+    """`sig` writes every thread's Python stack to stderr and the process goes on: what a person asks of a run that
+    seems stuck before the hang watchdog would end it (Slurm, torchrun and the launch wrapper send SIGUSR2 to no one;
+    the forked dataloader workers inherit it)."""
+    import faulthandler
+
+    faulthandler.register(sig, all_threads=True, chain=False)

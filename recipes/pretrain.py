@@ -21,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by `accelerate launch recipes/pretrain.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.process import die_with_parent
+from common.process import die_with_parent, stacks_on_request
 from recipes.config import ConfigError, parse_cli
 
 logger = logging.getLogger("pretrain")
@@ -30,6 +30,7 @@ logger = logging.getLogger("pretrain")
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     die_with_parent()  # torchrun gives each rank a session of its own: nothing else ends it with the launcher
+    stacks_on_request()  # SIGUSR2: every thread's stack in the log, the run going on (docs/troubleshooting.md)
     # Dataloader workers are forked after this process has tokenized: the tokenizer's thread pool must never
     # have started, or a forked worker deadlocks inside it (whatever the shell exported).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

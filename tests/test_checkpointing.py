@@ -531,5 +531,41 @@ def test_the_watchdog_times_a_save_but_not_the_load_before_the_first_step(monkey
     watchdog.on_checkpoint_io(trainer)  # a save
     assert armed == [1800, 1800]
     watchdog.on_train_end(trainer, None)
-    watchdog.on_checkpoint_io(trainer)  # the final export's load, after the loop
+    watchdog.on_save(trainer, None)  # the final save, after the loop: the export that follows is not timed
+    watchdog.on_checkpoint_io(trainer)
     assert armed == [1800, 1800, "off"]
+
+
+def test_an_error_reading_the_main_process_view_is_raised_as_it_was():
+    """main_process_view raises rank 0's error on every rank; on rank 0 it is the original (a full disk keeps its
+    errno, and so its exit code 4)."""
+    import errno
+
+    from common.collectives import main_process_view
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as raised:
+        main_process_view(full)
+    assert raised.value.errno == errno.ENOSPC
+
+
+def test_a_converter_killed_by_a_signal_is_a_failure_to_retry_not_a_bad_input(tmp_path, monkeypatch):
+    """The out-of-memory killer or a stop ending ds_to_universal gave CheckpointError, exit 2, which the Slurm scripts
+    never requeue; a converter that failed on its own still is one (the same checkpoint fails the same way)."""
+    import subprocess
+
+    from recipes.training import elastic
+    from recipes.training.checkpointing import CheckpointError
+
+    checkpoint = make_checkpoint(tmp_path, 6)
+    (checkpoint / "pytorch_model" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"state")
+    for code, error in ((-9, RuntimeError), (1, CheckpointError)):
+        monkeypatch.setattr(elastic.subprocess, "run", lambda *a, code=code, **k: subprocess.CompletedProcess(
+            a, code, "", "Killed" if code < 0 else "ValueError: bad shard"))  # fmt: skip
+        with pytest.raises(error, match=f"failed \\(exit {code}\\)") as raised:
+            elastic.convert(checkpoint, attempt="this start")
+        assert type(raised.value) is error
+        said = json.loads((checkpoint / elastic.FAILED).read_text())
+        assert said["attempt"] == "this start" and said["message"] == str(raised.value)

@@ -239,3 +239,24 @@ def test_exit_process_runs_the_exit_handlers_and_flushes_before_it_exits(tmp_pat
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 3 and result.stdout == "buffered, handler ran\n"
+
+
+def test_sigusr2_writes_every_threads_stack_and_the_process_goes_on(tmp_path):
+    """What docs/troubleshooting.md tells a person to send a run that seems stuck."""
+    script = (
+        "import sys, threading, time\nfrom common.process import stacks_on_request\nstacks_on_request()\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGUSR2)
+        time.sleep(1)
+        assert process.poll() is None, "still running"
+    finally:
+        process.kill()
+    stderr = process.communicate()[1]
+    assert "Current thread 0x" in stderr and stderr.count("hread 0x") == 2, "both threads"
+    assert 'File "<string>", line' in stderr, "where the main thread waits"

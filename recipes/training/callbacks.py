@@ -368,7 +368,8 @@ class HangWatchdog(Callback):
             self.beat()
 
     def on_save(self, trainer: TrainerView, path: Path) -> None:
-        self.beat()
+        if self._hook is not None:  # the final save comes after on_train_end: the export after it is not timed
+            self.beat()
 
     def on_train_end(self, trainer: TrainerView, stop: Stop) -> None:
         import faulthandler

@@ -116,7 +116,10 @@ def verify_on_every_rank(accelerator, directory: Path) -> list[str]:
     found on any rank, on every rank."""
     from accelerate.utils import gather_object
 
-    share = verify_share(directory, accelerator.process_index, accelerator.num_processes)
+    try:
+        share = verify_share(directory, accelerator.process_index, accelerator.num_processes)
+    except OSError as error:  # on this rank alone (a lagging node, EIO): a problem, not a rank missing from the gather
+        share = [f"{directory}: rank {accelerator.process_index} could not read it ({error})"]
     return [problem for part in gather_object([share]) for problem in part]
 
 

@@ -35,8 +35,8 @@ POLL_S = 1.0
 # The converter sets its own parent-death signal after exec (a preexec_fn would run between fork and exec of a
 # process with NCCL and torch threads, where taking a lock can deadlock): it ends with rank 0
 DIES_WITH_PARENT = (
-    "import runpy, sys; from common.process import die_with_parent; die_with_parent(); "
-    "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+    "import runpy, sys; from common.process import die_with_parent; die_with_parent(parent=int(sys.argv[1])); "
+    "sys.argv = sys.argv[2:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
 )
 REPO_ROOT = str(Path(__file__).resolve().parents[2])  # where `common` is imported from
 
@@ -52,7 +52,8 @@ def convert(checkpoint: Path, workers: int | None = None, attempt: str = "") -> 
                    "checkpoint (pass --resume_from_checkpoint) or restore its files")  # fmt: skip
         fail(checkpoint, attempt, message)
     workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
-    command = [sys.executable, "-c", DIES_WITH_PARENT, "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+    command = [sys.executable, "-c", DIES_WITH_PARENT, str(os.getpid()), "deepspeed.checkpoint.ds_to_universal",
+               "--input_folder",
                str(checkpoint / "pytorch_model"), "--output_folder", str(staging / "pytorch_model"),
                "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]  # fmt: skip
     logger.info("elastic: converting %s to DeepSpeed's universal format (%d workers)", checkpoint.name, workers)
@@ -65,7 +66,8 @@ def convert(checkpoint: Path, workers: int | None = None, attempt: str = "") -> 
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
         message = (f"elastic: converting {checkpoint} to the universal format failed (exit {result.returncode}): "
                    f"{tail[0]}")  # fmt: skip
-        fail(checkpoint, attempt, message)
+        # killed (the out-of-memory killer, a stop): worth another start, so no bad input (exit 2, never requeued)
+        fail(checkpoint, attempt, message, RuntimeError if result.returncode < 0 else CheckpointError)
     # each file synced to storage as it is hashed; `attempt` tells the waiting ranks this start's listing from a
     # lagging node's view of an earlier one
     listing = {"files": universal.universal_listing(staging), "attempt": attempt}
@@ -98,9 +100,10 @@ def set_aside_damaged(checkpoint: Path, problems: list[str] | None = None) -> No
                    aside.name)  # fmt: skip
 
 
-def fail(checkpoint: Path, attempt: str, message: str):
+def fail(checkpoint: Path, attempt: str, message: str, error: type[Exception] = CheckpointError):
+    """Say `message` to the waiting ranks (they cannot see rank 0's exception), then raise it here."""
     atomic_write_text(checkpoint / FAILED, json.dumps({"attempt": attempt, "message": message}))
-    raise CheckpointError(message)
+    raise error(message)
 
 
 def converted_by(checkpoint: Path, attempt: str | None) -> bool:

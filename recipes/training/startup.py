@@ -218,12 +218,8 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     logger.info("preflight %s", format_plan(plan, config))
     if settle_eval_batch(config, plan.eval_batch_fits, accelerator):
         benchmarks = benchmark_settings(config)
-    if not plan.fits and config.preflight_strict:
-        raise ConfigError(
-            "the plan says this run does not fit:\n  "
-            + "\n  ".join(plan.verdicts)
-            + "\nChange the recipe or DeepSpeed config, or set preflight_strict: false to try anyway."
-        )
+    # on every rank together: the plan reads this node's memory, and a node alone refusing left the others waiting
+    on_every_rank(lambda: refuse_unfit(plan.fits or not config.preflight_strict, plan.verdicts), catch=(ConfigError,))
     if config.prometheus_port is not None:  # every node's local rank 0 serves it
         port, host = config.prometheus_port, config.metrics_host
         on_every_rank(lambda: accelerator.is_local_main_process and check_port_free(port, host), catch=(ConfigError,))
@@ -285,6 +281,12 @@ def check_ranks_read_alike(identity: dict, validation: torch.Tensor | None, attn
     if said:
         raise ConfigError("the ranks read different inputs (a copy on one node's local disk that differs?): "
                           + "; ".join(said))  # fmt: skip
+
+
+def refuse_unfit(fits: bool, verdicts: list[str]) -> None:
+    if not fits:
+        raise ConfigError("the plan says this run does not fit:\n  " + "\n  ".join(verdicts) + "\nChange the recipe "
+                          "or DeepSpeed config, or set preflight_strict: false to try anyway.")  # fmt: skip
 
 
 def settle_eval_batch(config: PretrainConfig, fits: int | None, accelerator) -> bool:

@@ -10,29 +10,8 @@ shift 2
 # The ranks' command lines (torchrun starts them as `python -u recipes/pretrain.py ...`); neither the
 # launcher nor torchrun matches. Dataloader workers match but ignore the signal.
 RANK_PATTERN='python[^ ]* -u [^ ]*recipes/pretrain\.py'
-# The head node's address as Slurm knows it (NodeAddr), not its name, which need not resolve.
-# (awk reads to the end: `head` could exit before scontrol has written, a SIGPIPE that pipefail makes fatal)
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
-head_ip=$(scontrol show node "$head_node" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
-# A requeued start may land on the same head node while the previous start's rendezvous port is still held (a node
-# failure kills without a clean close): each start takes the next port. Jobs that share a node (no --exclusive) take
-# ports by job id: 16 for each, from 20000, below Linux's ephemeral ports (32768 on; outgoing connections hold those):
-# two jobs collide only when their ids are a multiple of 760 apart and they share a node.
-job_number=${SLURM_JOB_ID:-}; job_number=${job_number//[^0-9]/}
-port=$(( ${MAIN_PROCESS_PORT:-$(( 20000 + 10#${job_number:-0} % 760 * 16 ))} + ${SLURM_RESTART_COUNT:-0} % 16 ))
-# Elastic: a job submitted with --nodes=1-2 may start on fewer nodes than the accelerate config names (a node failed
-# and the job was requeued). Launch on the nodes this start was given, with the config's processes per node; the
-# recipe (elastic: true) keeps the global batch and converts the checkpoint when the world size changed.
-config_value() { grep -E "^$1:" "$accelerate_config" | awk 'NR == 1 {print $2}'; }
-per_node=$(( $(config_value num_processes) / $(config_value num_machines) ))
-given=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
-# An elastic recipe trains on the most of these nodes that keep its global batch (6 given, 128 rows: 4 train).
-nodes=$(python -m recipes.nodes "$recipe" --given "$given" --per-node "$per_node" "$@" 2>/dev/null || echo "$given")
-echo "$(date -Is) job ${SLURM_JOB_ID:-?} start ${SLURM_RESTART_COUNT:-0}: $nodes node(s) x $per_node process(es)" \
-  "$([ "$nodes" = "$given" ] || echo "($given given: the global batch is kept on $nodes; the others wait)")"
-# The first $nodes nodes of the job, the head among them: their SLURM_NODEID are the machine ranks 0..nodes-1.
-nodelist=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk -v n="$nodes" 'NR <= n' | paste -sd, -)
 
+# Set first: a signal during the minute of set-up below (scontrol, recipes.nodes) would end the batch shell.
 training_pid=""  # set once the ranks' step is started (a signal before then has nothing to save)
 # --signal=B:USR1@600 lands here, in the batch shell. Signal only the training ranks: their
 # handler saves a checkpoint at the next step boundary and exits 0. Signalling torchrun instead
@@ -75,6 +54,29 @@ requeue_after_failure() {
     "failure $((count + 1)) of $limit"
   scontrol requeue "$SLURM_JOB_ID"
 }
+
+# The head node's address as Slurm knows it (NodeAddr), not its name, which need not resolve.
+# (awk reads to the end: `head` could exit before scontrol has written, a SIGPIPE that pipefail makes fatal)
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
+head_ip=$(scontrol show node "$head_node" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+# A requeued start may land on the same head node while the previous start's rendezvous port is still held (a node
+# failure kills without a clean close): each start takes the next port. Jobs that share a node (no --exclusive) take
+# ports by job id: 16 for each, from 20000, below Linux's ephemeral ports (32768 on; outgoing connections hold those):
+# two jobs collide only when their ids are a multiple of 760 apart and they share a node.
+job_number=${SLURM_JOB_ID:-}; job_number=${job_number//[^0-9]/}
+port=$(( ${MAIN_PROCESS_PORT:-$(( 20000 + 10#${job_number:-0} % 760 * 16 ))} + ${SLURM_RESTART_COUNT:-0} % 16 ))
+# Elastic: a job submitted with --nodes=1-2 may start on fewer nodes than the accelerate config names (a node failed
+# and the job was requeued). Launch on the nodes this start was given, with the config's processes per node; the
+# recipe (elastic: true) keeps the global batch and converts the checkpoint when the world size changed.
+config_value() { grep -E "^$1:" "$accelerate_config" | awk 'NR == 1 {print $2}'; }
+per_node=$(( $(config_value num_processes) / $(config_value num_machines) ))
+given=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+# An elastic recipe trains on the most of these nodes that keep its global batch (6 given, 128 rows: 4 train).
+nodes=$(python -m recipes.nodes "$recipe" --given "$given" --per-node "$per_node" "$@" 2>/dev/null || echo "$given")
+echo "$(date -Is) job ${SLURM_JOB_ID:-?} start ${SLURM_RESTART_COUNT:-0}: $nodes node(s) x $per_node process(es)" \
+  "$([ "$nodes" = "$given" ] || echo "($given given: the global batch is kept on $nodes; the others wait)")"
+# The first $nodes nodes of the job, the head among them: their SLURM_NODEID are the machine ranks 0..nodes-1.
+nodelist=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk -v n="$nodes" 'NR <= n' | paste -sd, -)
 
 # The recipe's overrides reach pretrain.py word for word ("$@", not $* inside a string: `--lr_scheduler_kwargs
 # '{min_lr: 0}'` stays one argument). SLURM_NODEID is expanded by each node's task, hence the single quotes.
