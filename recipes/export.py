@@ -367,7 +367,7 @@ def export_run(config: PretrainConfig, launch: Launch, trainer: Trainer, stop: S
         return
     dtype = "bfloat16" if config.bf16 else "float16" if config.fp16 else "float32"
     with _abandoned_on_stop_signal(trainer.signals, source, run_dir / "final"):
-        # hashed by this launch (saved, loaded or verified above): no second read of ~1 TB at 70B before final/
+        # hashed by this launch (saved, loaded or verified above): no second read of ~830 GB at 70B before final/
         final_dir = export_checkpoint(source, run_dir / "final", dtype=dtype, overwrite=True, verify=False,
                                       run_may_hold_output=True, tokenizer=launch.inputs.tokenizer,
                                       tokenizer_path=config.tokenizer_name_or_path)  # fmt: skip

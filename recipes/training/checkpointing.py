@@ -342,7 +342,7 @@ def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: in
     """Delete the oldest complete checkpoints beyond the limit, except one being read (an export holds its pin: it
     goes at a later rotation); incomplete leftovers of killed saves too. A checkpoint is renamed out of the pattern
     first: a deletion killed half-way leaves a `.checkpoint-N.deleting` the next start removes, not a `checkpoint-N`
-    with missing files that no rotation would count again (~1 TB each at 70B)."""
+    with missing files that no rotation would count again (~830 GB each at 70B)."""
     output_dir = Path(output_dir)
     doomed: list[Path] = []
     # Only the main process scans: another rank listing the directory while it is being deleted

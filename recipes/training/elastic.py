@@ -5,7 +5,7 @@ changing gradient accumulation (`elastic: true`; recipes.config.elastic_accumula
 The conversion runs on global rank 0 in a child process (`deepspeed.checkpoint.ds_to_universal`, the tool DeepSpeed
 ships) into `checkpoint-N/.universal.tmp-PID/`, renamed to `universal/` when complete: a crash half-way leaves only the
 staging directory, which nothing trusts and the next start removes. The other ranks wait by watching the file system,
-not in a collective: converting a 70B checkpoint (~1 TB of optimizer state) takes far longer than a process group's
+not in a collective: converting a 70B checkpoint (~830 GB of optimizer state) takes far longer than a process group's
 timeout."""
 
 from __future__ import annotations

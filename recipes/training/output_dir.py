@@ -38,7 +38,7 @@ def lock(config: PretrainConfig) -> DirectoryLock | None:
             raise ConfigError(f"output_dir: {error}") from None
         if held.took_over:
             logger.warning("output_dir: took over the lock of a dead run (%s)", describe(held.took_over))
-        # now, before an elastic conversion writes ~1 TB beside them at 70B
+        # now, before an elastic conversion writes ~830 GB beside them at 70B
         for staging, size in remove_stale_checkpoint_staging(Path(config.output_dir)):
             logger.warning("removed %s (%.1f GB), left by a save, deletion or conversion that was killed", staging,
                            size / 1e9)  # fmt: skip
@@ -130,7 +130,7 @@ def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
 
 
 def remove_stale_checkpoint_staging(output_dir: Path) -> list[tuple[Path, int]]:
-    """`.checkpoint-N.tmp` directories left by saves that were killed (at 70B up to ~1 TB of hidden files), and
+    """`.checkpoint-N.tmp` directories left by saves that were killed (at 70B up to ~830 GB of hidden files), and
     `.checkpoint-N.deleting` ones left by rotations that were killed, and universal conversions' staging, removed
     at a start, where no save of this directory can be at work (the run holds its lock). Returns them with their
     bytes."""
