@@ -34,21 +34,33 @@ def any_rank(conditions: Sequence[bool], device: torch.device | str = "cpu") -> 
 def on_main_process(check, catch: tuple[type[Exception], ...]):
     """Run `check()` on global rank 0 only; an exception of a type in `catch` raised there is raised again, with
     the same message, on every rank, so that all ranks stop together (a collective). Returns what `check`
-    returned on rank 0, and None on the other ranks."""
-    outcome: list = [None, None]
+    returned on rank 0, and None on the other ranks. Rank 0 raises its own error as it was (an OSError keeps its
+    errno: a full disk is still exit 4); a type that cannot be rebuilt from its message is a RuntimeError elsewhere."""
+    outcome, original = None, None
     if not _distributed() or dist.get_rank() == 0:
         try:
-            outcome[0] = check()
+            outcome = check()
         except catch as error:
-            outcome[1] = (type(error), str(error))
+            original = error
+    said = from_main_process(None if original is None else (type(original), str(original)))
+    if original is not None:
+        raise original
+    if said is not None:
+        error_type, message = said
+        try:
+            failure = error_type(message)
+        except Exception:  # a type that takes other arguments
+            failure = RuntimeError(f"{error_type.__name__}: {message}")
+        raise failure
+    return outcome
+
+
+def from_main_process(value):
+    """Global rank 0's `value`, on every rank (a collective)."""
+    shared = [value]
     if _distributed():
-        shared = [outcome[1]]
         dist.broadcast_object_list(shared, src=0)
-        outcome[1] = shared[0]
-    if outcome[1] is not None:
-        error_type, message = outcome[1]
-        raise error_type(message)
-    return outcome[0]
+    return shared[0]
 
 
 def on_every_rank(check, catch: tuple[type[Exception], ...]) -> None:
@@ -72,26 +84,9 @@ def on_every_rank(check, catch: tuple[type[Exception], ...]) -> None:
 def main_process_view(read):
     """`read()` on global rank 0, its answer on every rank (a collective). For decisions made from the file system
     that are followed by a collective on some branches only: a node whose network file system lags (attribute
-    caching after a requeue) would otherwise take the other branch and leave the rest waiting."""
-    answer: list = [None, None]  # the value, or the error rank 0 met (raised on every rank, not on rank 0 alone)
-    original = None
-    if not _distributed() or dist.get_rank() == 0:
-        try:
-            answer[0] = read()
-        except Exception as error:
-            original, answer[1] = error, (type(error), str(error))
-    if _distributed():
-        dist.broadcast_object_list(answer, src=0)
-    if original is not None:
-        raise original  # as it was (an OSError keeps its errno: a full disk is still exit 4)
-    if answer[1] is not None:
-        error_type, message = answer[1]
-        try:
-            failure = error_type(message)
-        except Exception:  # a type that takes other arguments
-            failure = RuntimeError(f"{error_type.__name__}: {message}")
-        raise failure
-    return answer[0]
+    caching after a requeue) would otherwise take the other branch and leave the rest waiting. An error `read` meets
+    on rank 0 is raised on every rank."""
+    return from_main_process(on_main_process(read, catch=(Exception,)))
 
 
 def smallest_on_any_rank(value: int, device: torch.device | str = "cpu") -> int:

@@ -53,11 +53,11 @@ def fsync_if_supported(descriptor: int) -> None:
             raise
 
 
-def sync_tree(root: str | Path, recursive: bool = True, files: bool = False) -> None:
-    """fsync `root` and, with `recursive`, every directory under it, deepest first (and, with `files`, every file
-    first): a staging tree's contents before it is renamed into place and vouched for."""
+def sync_tree(root: str | Path, files: bool = False) -> None:
+    """fsync `root` and every directory under it, deepest first (and, with `files`, every file first): a staging
+    tree's contents before it is renamed into place and vouched for."""
     root = Path(root)
-    below = list(root.rglob("*")) if recursive else []
+    below = list(root.rglob("*"))
     for path in below if files else []:
         if path.is_file():
             with open(path, "rb") as handle:
@@ -65,6 +65,15 @@ def sync_tree(root: str | Path, recursive: bool = True, files: bool = False) -> 
     directories = [path for path in below if path.is_dir()]
     for directory in sorted(directories, key=lambda path: len(path.parts), reverse=True) + [root]:
         sync_directory(directory)
+
+
+def unused_name(path: Path) -> Path:
+    """`path`, or `path-2`, `path-3`, ...: the first that does not exist (for copies set aside, never replaced)."""
+    candidate, number = path, 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}-{number}")
+    return candidate
 
 
 def sha256_of(path: str | Path, chunk_bytes: int = 1 << 24, sync: bool = False) -> str:

@@ -111,16 +111,17 @@ def verify_share(directory: Path, rank: int, world_size: int) -> list[str]:
     return verify_files(directory, read_manifest(directory)["files"], rank, world_size, "the manifest")
 
 
-def verify_on_every_rank(accelerator, directory: Path) -> list[str]:
-    """Every file of `directory` against its manifest, each rank re-hashing its share (a collective); the problems
-    found on any rank, on every rank."""
+def verify_on_every_rank(accelerator, directory: Path, share=None) -> list[str]:
+    """Every file of `directory` against its manifest (or what `share(directory, rank, world_size)` checks), each rank
+    re-hashing its share (a collective); the problems found on any rank, on every rank."""
     from accelerate.utils import gather_object
 
+    share = share or verify_share
     try:
-        share = verify_share(directory, accelerator.process_index, accelerator.num_processes)
+        mine = share(directory, accelerator.process_index, accelerator.num_processes)
     except OSError as error:  # on this rank alone (a lagging node, EIO): a problem, not a rank missing from the gather
-        share = [f"{directory}: rank {accelerator.process_index} could not read it ({error})"]
-    return [problem for part in gather_object([share]) for problem in part]
+        mine = [f"{directory}: rank {accelerator.process_index} could not read it ({error})"]
+    return [problem for part in gather_object([mine]) for problem in part]
 
 
 def verify_files(root: Path, files: dict[str, dict], rank: int, world_size: int, record: str) -> list[str]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.collectives import main_process_view
-from common.files import atomic_write_text, sync_tree
+from common.files import atomic_write_text, sync_directory, sync_tree, unused_name
 from recipes.training import checkpointing, universal
 from recipes.training.checkpointing import CheckpointError
 
@@ -75,7 +75,7 @@ def convert(checkpoint: Path, workers: int | None = None, attempt: str = "") -> 
     atomic_write_text(staging / universal.UNIVERSAL_LISTING, json.dumps(listing, indent=1))  # last: marks complete
     set_aside_damaged(checkpoint)
     os.replace(staging, checkpoint / checkpointing.UNIVERSAL_DIR)
-    sync_tree(checkpoint, recursive=False)
+    sync_directory(checkpoint)
     seconds = time.perf_counter() - started
     logger.info("elastic: %s converted in %.1f s", checkpoint.name, seconds)
     return seconds
@@ -90,10 +90,7 @@ def set_aside_damaged(checkpoint: Path, problems: list[str] | None = None) -> No
     if not converted.exists():
         return
     problems = problems or universal.universal_problems(checkpoint)
-    aside, number = checkpoint / DAMAGED, 1
-    while aside.exists():
-        number += 1
-        aside = checkpoint / f"{DAMAGED}-{number}"
+    aside = unused_name(checkpoint / DAMAGED)
     os.replace(converted, aside)
     logger.warning("elastic: %s cannot be loaded (%s%s): set aside as %s, converting again", converted,
                    problems[0] if problems else "incomplete", f", and {len(problems) - 1} more" if problems[1:] else "",

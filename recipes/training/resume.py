@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from common.collectives import main_process_view, on_main_process
-from common.files import fingerprint, sha256_of
+from common.collectives import from_main_process, main_process_view
+from common.files import fingerprint, sha256_of, unused_name
 from data_prep.packing.format import MANIFEST as DATA_MANIFEST
 from data_prep.packing.format import is_preprocessed, tokenizer_identity
 from recipes.config import MODEL_CONFIG_KEYS, PretrainConfig, config_from_dict
@@ -172,13 +172,9 @@ def choose_checkpoint(config: PretrainConfig, accelerator) -> Path | None:
         damaged.extend([path] if problems else [])
         return problems
 
-    def agree(value):  # the main process's view of output_dir, on every rank (a collective)
-        from accelerate.utils import broadcast_object_list
-
-        return broadcast_object_list([value])[0] if accelerator.num_processes > 1 else value
-
-    resume = agree(on_main_process(lambda: resume_request(config), catch=(CheckpointError,)))
-    path, notes = checkpointing.find_resume_checkpoint(config.output_dir, resume, verify, agree)
+    # every rank goes by the main process's view of output_dir (a lagging node's differs)
+    resume = main_process_view(lambda: resume_request(config))
+    path, notes = checkpointing.find_resume_checkpoint(config.output_dir, resume, verify, from_main_process)
     for note in notes:
         logger.warning("resume: %s", note)
     if path is not None and damaged and accelerator.is_main_process:
@@ -194,11 +190,7 @@ def set_aside(checkpoint: Path) -> Path:
     """Rename a checkpoint whose files differ from their checksums out of the `checkpoint-N` pattern: kept as a
     complete checkpoint, rotation would count it among the ones it keeps (and delete a good one), and a `--resume` of
     an older one would be refused for it. Never deleted: someone may be able to restore it."""
-    aside = checkpoint.with_name(f"{checkpoint.name}.damaged")
-    number = 1
-    while aside.exists():
-        number += 1
-        aside = checkpoint.with_name(f"{checkpoint.name}.damaged-{number}")
+    aside = unused_name(checkpoint.with_name(f"{checkpoint.name}.damaged"))
     os.replace(checkpoint, aside)
     logger.warning("resume: set %s aside as %s (its files differ from their sha256); delete it once it is not needed",
                    checkpoint.name, aside.name)  # fmt: skip
@@ -231,11 +223,8 @@ def resume_request(config: PretrainConfig) -> str:
 
 def verify_universal(path: Path, accelerator) -> list[str]:
     """`path`'s universal/ files against the conversion's sha256: every rank hashes its share (a collective)."""
-    from accelerate.utils import gather_object
-
     started = time.perf_counter()
-    share = universal.verify_universal_share(path, accelerator.process_index, accelerator.num_processes)
-    problems = [problem for part in gather_object([share]) for problem in part]
+    problems = checkpointing.verify_on_every_rank(accelerator, path, universal.verify_universal_share)
     seconds = time.perf_counter() - started
     logger.info("resume: verified %s/%s in %.1f s", path.name, checkpointing.UNIVERSAL_DIR, seconds)
     return problems

@@ -72,12 +72,13 @@ def import_deepspeed_lean() -> None:
 # (which dumps every thread's stack) and the dataloader's stall timeout (half of it, exit 5) must come first.
 # DeepSpeed's own default, 10 minutes, came before both (1800 s and 900 s by default).
 COLLECTIVE_TIMEOUT_MARGIN_S = 600
+DEEPSPEED_COLLECTIVE_TIMEOUT_S = 600  # deepspeed.constants.default_pg_timeout, without DEEPSPEED_TIMEOUT set
 
 
 def collective_timeout_s(hang_timeout_s: float | None) -> float:
     """How long a rank waits in a collective before its process group gives up: the watchdog's timeout and a margin,
-    or DeepSpeed's 10 minutes and the margin when the watchdog is off."""
-    return (hang_timeout_s or 600) + COLLECTIVE_TIMEOUT_MARGIN_S
+    or DeepSpeed's own timeout and the margin when the watchdog is off."""
+    return (hang_timeout_s or DEEPSPEED_COLLECTIVE_TIMEOUT_S) + COLLECTIVE_TIMEOUT_MARGIN_S
 
 
 def process_group_timeout_s() -> float | None:
