@@ -6,6 +6,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -65,6 +66,36 @@ def sync_tree(root: str | Path, files: bool = False) -> None:
     directories = [path for path in below if path.is_dir()]
     for directory in sorted(directories, key=lambda path: len(path.parts), reverse=True) + [root]:
         sync_directory(directory)
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """Put the complete tree `staging` at `target`. One already there is renamed aside (`replaced_aside`) first and
+    deleted after, so a kill at any moment leaves the old tree or the new one under `target`'s name, never one half
+    deleted (removing a 70B checkpoint's ~830 GB takes minutes); killed between the two renames, the old one waits
+    aside for `restore_replaced`."""
+    aside = replaced_aside(target)
+    if target.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(target, aside)
+    os.replace(staging, target)
+    sync_directory(target.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def replaced_aside(target: Path) -> Path:
+    return target.with_name(f".{target.name}.replaced")
+
+
+def restore_replaced(aside: Path) -> tuple[Path, int] | None:
+    """What a replacement killed between its renames left at `aside`: put back where it was when nothing took its
+    place (None), else removed (returned with its bytes)."""
+    target = aside.with_name(aside.name.removeprefix(".").removesuffix(".replaced"))
+    if not target.exists():
+        os.replace(aside, target)
+        return None
+    size = sum(path.stat().st_size for path in aside.rglob("*") if path.is_file())
+    shutil.rmtree(aside, ignore_errors=True)
+    return aside, size
 
 
 def unused_name(path: Path) -> Path:

@@ -37,7 +37,7 @@ from common.process import peak_rss_bytes
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.files import atomic_write_text, sync_directory, sync_tree
+from common.files import atomic_write_text, replace_directory, sync_tree
 from common.lock import FileLock, LockedError
 from recipes.config import ConfigError, PretrainConfig, config_from_dict
 from recipes.training import checkpointing, universal
@@ -230,10 +230,7 @@ def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, 
         atomic_write_text(staging / "export.json", json.dumps(source, indent=2))
         with_umask_modes(staging)
         sync_tree(staging, files=True)  # on storage before it takes the name an evaluation or a copy trusts
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
-        sync_directory(output.parent)
+        replace_directory(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
     return output

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import yaml
 
 from common.collectives import main_process_view, ranks_where
-from common.files import atomic_write_text, sha256_of, sync_tree
+from common.files import atomic_write_text, replace_directory, sha256_of, sync_tree
 from common.lock import held_by_someone
 
 logger = logging.getLogger("pretrain")
@@ -292,9 +292,7 @@ def _publish(accelerator, staging: Path, final: Path, step: int, progress: Calla
                         "slurm_job_id": os.environ.get("SLURM_JOB_ID")}  # fmt: skip
             sync_tree(staging)  # the names of every rank's files, before the manifest vouches for them
             atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=2))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(staging, final)
+            replace_directory(staging, final)  # a checkpoint of this step saved before a rollback or resume
             atomic_write_text(final.parent / LATEST, final.name + "\n")
         except OSError as error:
             failure = f"{type(error).__name__}: {error}"

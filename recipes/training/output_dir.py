@@ -6,16 +6,16 @@ import contextlib
 import errno
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
 from common.collectives import on_main_process
-from common.files import sync_directory, sync_tree
+from common.files import replace_directory, replaced_aside, restore_replaced, sync_tree
 from common.lock import DirectoryLock, FileLock, LockedError, describe
 from recipes.config import ConfigError, PretrainConfig
 from recipes.training import checkpointing, elastic
 from recipes.training.callbacks import Benchmarks
+from recipes.training.checkpointing import TOKENIZER_COPY
 
 logger = logging.getLogger("pretrain")
 
@@ -23,7 +23,7 @@ logger = logging.getLogger("pretrain")
 RUN_OUTPUTS = (
     "metrics.jsonl", "tensorboard", "final", "eval", "loss.png", "report.md", "run_summary.json",
     checkpointing.RESOLVED_CONFIG, "deepspeed_config.json", checkpointing.LATEST, "trackers.json", "mlruns", "wandb",
-    Benchmarks.RUNNING_MARKER, checkpointing.TOKENIZER_COPY,
+    Benchmarks.RUNNING_MARKER, TOKENIZER_COPY,
 )  # fmt: skip
 
 
@@ -114,27 +114,31 @@ def prepare(config: PretrainConfig, ds_config: dict, tokenizer) -> None:
 
 def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
     """Staging directories in `directory` left by exports that were killed (no process holds their lock), removed:
-    at 70B one is ~140 GB of hidden files. Returns what was removed, with its bytes."""
+    at 70B one is ~140 GB of hidden files; an export killed while replacing its output gets the old one back or loses
+    it (`restore_replaced`). Returns what was removed, with its bytes."""
     removed = []
     for lock in sorted(directory.glob(".*.export-lock")):
         staging = lock.with_name(lock.name.removesuffix(".export-lock") + ".tmp")
-        if not staging.is_dir():
+        aside = replaced_aside(lock.with_name(lock.name.removeprefix(".").removesuffix(".export-lock")))
+        if not staging.is_dir() and not aside.is_dir():
             continue
         try:  # held while removing, as an export holds it: one starting meanwhile is refused, not removed under
             with FileLock(lock, what="a starting run removing a killed export's staging"):
-                size = remove_tree(staging)
+                removed.append(restore_replaced(aside) if aside.is_dir() else None)
+                removed.append((staging, remove_tree(staging)) if staging.is_dir() else None)
         except LockedError:  # an export at work
             continue
-        removed.append((staging, size))
-    return removed
+    return [entry for entry in removed if entry is not None]
 
 
 def remove_stale_checkpoint_staging(output_dir: Path) -> list[tuple[Path, int]]:
-    """`.checkpoint-N.tmp` directories left by saves that were killed (at 70B up to ~830 GB of hidden files), and
-    `.checkpoint-N.deleting` ones left by rotations that were killed, and universal conversions' staging, removed
-    at a start, where no save of this directory can be at work (the run holds its lock). Returns them with their
-    bytes."""
-    removed = []
+    """What killed saves (`.checkpoint-N.tmp`, up to ~830 GB of hidden files at 70B), rotations
+    (`.checkpoint-N.deleting`) and universal conversions left, removed at a start, where no save of this directory
+    can be at work (the run holds its lock); what a replacement killed half-way set aside goes back or goes
+    (`restore_replaced`). Returns what was removed, with its bytes."""
+    asides = sorted(output_dir.glob(".checkpoint-*.replaced")) + [replaced_aside(output_dir / TOKENIZER_COPY)]
+    # first: one killed between its renames put back (its replacement's staging goes below)
+    removed = [entry for entry in (restore_replaced(a) for a in asides if a.is_dir()) if entry is not None]
     conversions = sorted(output_dir.glob(f"checkpoint-*/{elastic.STAGING}*"))  # killed ones, ~830 GB each at 70B
     for staging in sorted(output_dir.glob(".checkpoint-*.tmp")) + checkpointing.deleting(output_dir) + conversions:
         removed.append((staging, remove_tree(staging)))
@@ -165,7 +169,7 @@ def keep_tokenizer(output_dir: Path, tokenizer, loaded_from: str) -> None:
     one there: the run's identity refuses another tokenizer)."""
     from data_prep.packing.format import tokenizer_identity
 
-    copy = output_dir / checkpointing.TOKENIZER_COPY
+    copy = output_dir / TOKENIZER_COPY
     if Path(loaded_from).resolve() == copy.resolve():
         return
     if copy.is_dir():
@@ -179,13 +183,11 @@ def keep_tokenizer(output_dir: Path, tokenizer, loaded_from: str) -> None:
         if same:
             return
         logger.warning("%s does not hold the tokenizer this run trains with: written again", copy)
-    staging = output_dir / f".{checkpointing.TOKENIZER_COPY}.tmp"
+    staging = output_dir / f".{TOKENIZER_COPY}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     tokenizer.save_pretrained(staging)
     sync_tree(staging, files=True)  # an export from disk trusts this copy: on storage before it takes the name
-    shutil.rmtree(copy, ignore_errors=True)
-    os.replace(staging, copy)
-    sync_directory(output_dir)
+    replace_directory(staging, copy)
 
 
 # Errors of the place, not of the moment: another launch fails the same way, so they are bad input (exit 2, which
