@@ -112,3 +112,40 @@ def test_the_runs_tokenizer_copy_set_aside_by_a_killed_replacement_goes_back_whe
     (aside / "tokenizer.json").write_text("{}")
     assert remove_stale_checkpoint_staging(tmp_path) == []
     assert (tmp_path / "tokenizer" / "tokenizer.json").read_text() == "{}"
+
+
+def test_a_stop_signal_right_after_a_loss_spike_rollback_saves_the_data_position_past_the_spike(tmp_path):
+    """A rollback loads checkpoint-N but keeps the data position past the spike (and counts the rollback): a stop
+    signal at that step found checkpoint-N "already saved" and saved nothing, so the resumed run trained on the
+    skipped window again, met the same spike and rolled back again. That save writes checkpoint-N again now."""
+    import types
+
+    from recipes.training.checkpointing import Checkpointer, read_trainer_state
+
+    class Position:
+        rows = 0
+
+        def state_dict(self):
+            return {"rows_consumed": self.rows}
+
+        def load_state_dict(self, state):
+            self.rows = state["rows_consumed"]
+
+    class Saving(OneRankSaving):
+        def load_state(self, directory):
+            pass
+
+    position = Position()
+    engine = types.SimpleNamespace(_config=types.SimpleNamespace())
+    checkpointer = Checkpointer(Saving(), engine, tmp_path, None, {}, {"data_position": position})
+    position.rows = 64
+    first = checkpointer.save(4)
+    assert checkpointer.is_current(4) and checkpointer.save(4) == first  # nothing new to write
+    position.rows = 96  # the spike's window, read after the checkpoint
+    checkpointer.load(first, skip=("data_position",))  # the rollback
+    assert not checkpointer.is_current(4)
+    assert checkpointer.save(4) == first  # the stop signal's save, at the same step
+    assert read_trainer_state(first)["data_position"] == {"rows_consumed": 96}
+    assert manifest_problems(first) == [] and checkpointer.is_current(4)
+    checkpointer.load(first)  # a resume's load holds the whole state
+    assert checkpointer.is_current(4)

@@ -394,20 +394,27 @@ class Checkpointer:
         self.output_dir, self.save_total_limit, self.run_files = Path(output_dir), save_total_limit, run_files
         self.stateful = stateful
         self.last = last  # the newest checkpoint this run published or resumed from
+        # a load that kept some parts as they were (a rollback keeps the data position past the spike): the run's
+        # state is no longer `last`'s at the same step, and a save there (a stop signal's) must write it again
+        self.moved_on = False
         self.verified: set[Path] = set()  # what this launch hashed: its own saves, and the checkpoint it loaded
         self.progress: Callable[[], None] = lambda: None  # called through saves and loads (the hang watchdog's beat)
 
     def save(self, step: int, protected: str | None = None) -> Path:
         """Publish `checkpoint-{step}` and rotate, keeping `protected` (the best); nothing if it is the newest."""
-        if self.last is not None and step_of(self.last) == step:
+        if self.is_current(step):
             return self.last
         state = {name: part.state_dict() for name, part in self.stateful.items()}
         path = save_checkpoint(self.accelerator, self.output_dir, step, state, self.run_files, self.progress)
         best = self.output_dir / protected if protected else None
         rotate_checkpoints(self.accelerator, self.output_dir, self.save_total_limit, best, self.progress)
-        self.last = path
+        self.last, self.moved_on = path, False
         self.verified.add(path)
         return path
+
+    def is_current(self, step: int) -> bool:
+        """Whether `last` holds the run as it is at `step` (a save there would write nothing new)."""
+        return self.last is not None and step_of(self.last) == step and not self.moved_on
 
     def verify(self, path: Path) -> list[str]:
         """What is wrong with `path` ([]: nothing), re-hashed by every rank unless this launch saved or loaded it."""
@@ -437,6 +444,6 @@ class Checkpointer:
         for name, part in self.stateful.items():
             if name not in skip:
                 part.load_state_dict(saved[name])
-        self.last = path
+        self.last, self.moved_on = path, bool(skip)
         self.verified.add(path)  # a resume re-hashes what it loads (recipes.training.resume), a rollback loads `last`
         return same_world

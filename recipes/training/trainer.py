@@ -22,7 +22,7 @@ from recipes.config import ConfigError, PretrainConfig
 from recipes.telemetry.metrics import MetricsWriter
 from recipes.training.attention import DocumentMasking
 from recipes.training.callbacks import Callback
-from recipes.training.checkpointing import Checkpointer, read_config, read_manifest, step_of
+from recipes.training.checkpointing import Checkpointer, read_config, read_manifest
 from recipes.training.interface import Control, StepResult, StepWindow
 from recipes.training.model import (
     group_hyperparameters,
@@ -168,10 +168,9 @@ class Trainer:
         return recipe_lr(self.config, step, self.total_steps)
 
     def save(self) -> Path:
-        """Checkpoint this step, unless the newest checkpoint already is this step (a collective)."""
-        last = self.checkpointer.last
-        if last is not None and step_of(last) == self.state.step:
-            return last
+        """Checkpoint this step, unless the newest checkpoint already holds it (a collective)."""
+        if self.checkpointer.is_current(self.state.step):
+            return self.checkpointer.last
         self.state.wall_seconds = self.wall_seconds()
         path = self.checkpointer.save(self.state.step, protected=self.state.best_checkpoint)
         for callback in self.callbacks:
