@@ -179,3 +179,17 @@ def test_parts_made_with_relative_inputs_merge_from_another_directory(tmp_path, 
     parts = [str(tmp_path / f"part-{index}") for index in range(2)]
     assert merge_main([*parts, "--output", str(tmp_path / "merged")]) == 0
     assert (tmp_path / "merged" / "manifest.json").exists()
+
+
+def test_a_directory_holding_only_someone_elses_parquet_files_is_not_taken_for_an_unfinished_merge(parted, tmp_path):
+    """Any --output with only data/*.parquet in it was taken for a killed merge's and deleted: a merge now marks its
+    output before its first shard, and removes only what it marked and names as it does."""
+    root, _, _ = parted
+    target = tmp_path / "theirs"
+    (target / "data").mkdir(parents=True)
+    (target / "data" / "train-00000-of-00001.parquet").write_bytes(b"their dataset")
+    assert merge_main([str(root / f"part-{i}") for i in range(3)] + ["--output", str(target)]) == 2
+    assert (target / "data" / "train-00000-of-00001.parquet").read_bytes() == b"their dataset"
+    (target / "data" / "train-00000-of-00001.parquet").rename(target / "data" / "train-00000.parquet")
+    assert merge_main([str(root / f"part-{i}") for i in range(3)] + ["--output", str(target)]) == 2, "no marker"
+    assert (target / "data" / "train-00000.parquet").read_bytes() == b"their dataset"

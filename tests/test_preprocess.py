@@ -2,6 +2,7 @@
 global-sample-index reader that training uses."""
 
 import gzip
+import shutil
 import json
 
 import datasets
@@ -248,3 +249,22 @@ def test_a_resume_refuses_an_input_changed_under_the_same_name(tmp_path, corpus,
     # another setting on resume: the advice is the command that would continue it
     with pytest.raises(PreprocessError, match="is complete: choose a new --output"):
         preprocess(str(corpus["tokenizer"]), [str(source)], str(out), **{**arguments, "rows_per_shard": 99})
+
+
+def test_a_datasets_own_directory_as_output_is_refused_and_its_files_stay(tmp_path, corpus):
+    """`--output` a dataset's own directory (the hub's layout, data/train-00000-of-00002.parquet) was taken for an
+    interrupted preprocessing: its files were removed as stale shards, then the run died reading them (exit 1)."""
+    dataset = tmp_path / "ds"
+    (dataset / "data").mkdir(parents=True)
+    texts = iter_texts(str(corpus["train"]))
+    for index in range(2):
+        pq.write_table(pa.table({"text": [next(texts) for _ in range(5)]}),
+                       dataset / "data" / f"train-0000{index}-of-00002.parquet")  # fmt: skip
+    before = sorted(p.name for p in (dataset / "data").iterdir())
+    with pytest.raises(PreprocessError, match="inside --output"):
+        preprocess(str(corpus["tokenizer"]), [str(dataset / "data" / "*.parquet")], str(dataset), SEQ)
+    copy = tmp_path / "inputs.parquet"
+    shutil.copy(dataset / "data" / before[0], copy)
+    with pytest.raises(PreprocessError, match="data/train-00000-of-00002.parquet, which preprocessing does not write"):
+        preprocess(str(corpus["tokenizer"]), [str(copy)], str(dataset), SEQ)
+    assert sorted(p.name for p in (dataset / "data").iterdir()) == before

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,12 @@ EXAMPLES_PER_REASON = 5  # file:line examples a manifest keeps for each kind of 
 
 def shard_name(index: int) -> str:
     return f"{SHARD_DIR}/train-{index:05d}.parquet"
+
+
+def is_shard_file(name: str) -> bool:
+    """A name in `data/` that this package writes (a shard, or one being written): the only files a resumed or
+    restarted preprocessing or merge removes there. The hub's `train-00000-of-00002.parquet` is not one."""
+    return re.fullmatch(r"train-\d{5}\.(parquet|tmp)", name) is not None
 
 
 def is_preprocessed(path: str | Path) -> bool:

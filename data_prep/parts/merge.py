@@ -25,10 +25,19 @@ import sys
 from pathlib import Path
 
 from common.exit_codes import BAD_INPUT, DISK_FULL, DONE, OneLineParser, disk_full, disk_full_line
-from common.files import atomic_write_text, directory_problem, fingerprint_change, sha256_of
+from common.files import (
+    atomic_write_text,
+    directory_problem,
+    fingerprint_change,
+    fsync_if_supported,
+    sha256_of,
+    sync_tree,
+)
 from common.lock import LOCK_FILE, DirectoryLock, LockedError
-from data_prep.packing.format import EXAMPLES_PER_REASON, MANIFEST, SHARD_DIR, shard_name
+from data_prep.packing.format import EXAMPLES_PER_REASON, MANIFEST, SHARD_DIR, is_shard_file, shard_name
 from data_prep.preprocessing.report import CorpusStats, summary, write_report
+
+MERGING = ".merging"  # written before a merge places its first shard, removed after its manifest
 
 
 class MergeError(ValueError):
@@ -159,6 +168,7 @@ def _merge(parts: list[tuple[Path, dict]], out: Path, log) -> dict:
             raise MergeError(f"--output {out} is not empty; choose a new directory")
         for entry in leftovers:  # what a merge that failed or was killed wrote before its manifest: started again
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        atomic_write_text(out / MERGING, json.dumps([str(path) for path, _ in parts]))  # before any shard
         shards = []
         for path, manifest in parts:
             for shard in manifest["shards"]:
@@ -169,23 +179,26 @@ def _merge(parts: list[tuple[Path, dict]], out: Path, log) -> dict:
         merged = merged_manifest([manifest for _, manifest in parts], shards, [str(path) for path, _ in parts])
         stats = CorpusStats(**merged["report"]["stats"])
         write_report(out, merged, stats, merged["settings"]["inputs"])
+        sync_tree(out)  # every shard's name on storage before the manifest vouches for it
         atomic_write_text(out / MANIFEST, json.dumps(merged, indent=2))  # last: its presence means complete
+        (out / MERGING).unlink()
         return merged
     finally:
         lock.release()
 
 
 def unfinished_merge(out: Path) -> bool:
-    """`out` holds only what a merge writes before its manifest (shards, the data report): a merge that failed or was
-    killed, which the same command may start again. Anything else there is somebody's and stays."""
-    if (out / MANIFEST).exists():
+    """`out` holds a merge's marker and only what a merge writes before its manifest (shards, the data report): a
+    merge that failed or was killed, which the same command may start again. Anything else there is somebody's and
+    stays (a dataset's own `data/*.parquet` was taken for a merge's and deleted)."""
+    if (out / MANIFEST).exists() or not (out / MERGING).is_file():
         return False
     for entry in out.iterdir():
-        if entry.name in (LOCK_FILE, "data_report.md", "data_report.png"):
+        if entry.name in (LOCK_FILE, MERGING, "data_report.md", "data_report.png"):
             continue
         if entry.name != SHARD_DIR or not entry.is_dir():
             return False
-        if any(not shard.name.endswith(".parquet") for shard in entry.iterdir()):
+        if any(not is_shard_file(shard.name) for shard in entry.iterdir()):
             return False
     return True
 
@@ -200,6 +213,8 @@ def _place(source: Path, target: Path, sha256: str) -> None:
         os.link(source, target)
     except OSError:
         shutil.copyfile(source, target)
+        with open(target, "rb") as handle:  # a copy's pages on storage before the manifest vouches for them
+            fsync_if_supported(handle.fileno())
     if sha256_of(target) != sha256:
         target.unlink()
         raise MergeError(f"{source} does not match the sha256 in its part's {MANIFEST}: the file was damaged; "

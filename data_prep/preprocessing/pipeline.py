@@ -45,6 +45,7 @@ from data_prep.reading.readers import (
     CorruptFileError,
     InputError,
     check_inputs,
+    check_outside_output,
     iter_records,
 )
 from data_prep.tokenizer.loading import TokenizerLoadError, load_tokenizer, plain_backend
@@ -173,6 +174,7 @@ def preprocess(
     if problem:  # before the tokenizer is loaded: it was a traceback (exit 1) from the lock's mkdir
         raise PreprocessError(f"--output {output} {problem}")
     try:
+        check_outside_output(inputs, Path(output))
         every_source = check_inputs(inputs, text_field)
     except InputError as error:
         raise PreprocessError(str(error)) from None

@@ -17,6 +17,7 @@ from data_prep.packing.format import (
     EXAMPLES_PER_REASON,
     MANIFEST,
     SHARD_DIR,
+    is_shard_file,
 )
 from data_prep.packing.rows import MAX_DOCUMENT_CHARS
 from data_prep.preprocessing.report import CorpusStats
@@ -118,8 +119,16 @@ def load_progress(out: Path, settings: dict) -> Saved | None:
         return Saved(progress, carry, open_tokens, _load_seen(out / PROGRESS_DIR / SEEN_FILE, progress.seen_hashes))
     if out.exists() and any(entry.name not in (SHARD_DIR, LOCK_FILE, PROGRESS_DIR) for entry in out.iterdir()):
         raise PreprocessError(f"{out} exists and is not a preprocessing output; choose an empty or new --output")
+    foreign = [entry.name for entry in _entries(out / SHARD_DIR) if not is_shard_file(entry.name)]
+    if foreign:  # a dataset's own data/ (the hub's train-00000-of-00002.parquet): never removed as stale shards
+        raise PreprocessError(f"{out} holds {SHARD_DIR}/{foreign[0]}, which preprocessing does not write: it is not a "
+                              "preprocessing output; choose an empty or new --output")  # fmt: skip
     (out / PROGRESS_DIR / SEEN_FILE).unlink(missing_ok=True)  # appended before a first save that never landed
     return Saved(Progress(), empty, empty, np.zeros(0, dtype=np.uint64))
+
+
+def _entries(directory: Path) -> list[Path]:
+    return sorted(directory.iterdir()) if directory.is_dir() else []
 
 
 def _preprocess_settings(manifest: Path) -> dict:
@@ -196,8 +205,8 @@ def save_progress(out: Path, settings: dict, progress: Progress, carry: np.ndarr
 def remove_unrecorded_shards(out: Path, progress: Progress) -> None:
     """Shards written after the last saved progress: the resumed run writes them again, identically."""
     recorded = {Path(shard["path"]).name for shard in progress.shards}
-    for stale in sorted((out / SHARD_DIR).glob("train-*")) if (out / SHARD_DIR).exists() else []:
-        if stale.name not in recorded:
+    for stale in _entries(out / SHARD_DIR):
+        if is_shard_file(stale.name) and stale.name not in recorded:
             stale.unlink()
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.files import sha256_of
+from common.files import fsync_if_supported, sha256_of, sync_directory
 from data_prep.packing.format import (
     shard_name,
 )
@@ -73,7 +73,10 @@ class ShardWriter:
         if self._writer is None:
             return None
         self._writer.close()
+        with open(self._temporary(), "rb") as handle:  # its pages on storage before the progress vouches for it
+            fsync_if_supported(handle.fileno())
         os.replace(self._temporary(), self._path())
+        sync_directory(self._path().parent)
         shard = {"path": shard_name(self.index), "rows": self.rows_in_shard, "sha256": sha256_of(self._path())}
         self.index, self.rows_in_shard, self._writer = self.index + 1, 0, None
         return shard

@@ -305,6 +305,18 @@ def resolve_sources(patterns: list[str], key: str, allow_hub: bool = True) -> li
     return sources
 
 
+def check_outside_output(patterns: list[str], out: Path) -> None:
+    """No input lies in the output: a rerun of `--input 'raw/*' --output raw/cleaned` matched its own output, and a
+    preprocessing into a dataset's own directory removed its `data/train-*` files as stale shards."""
+    out = Path(out).resolve()
+    for pattern in patterns:
+        for match in sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]:
+            resolved = Path(match).resolve()
+            if resolved == out or out in resolved.parents:
+                raise InputError(f"--input {pattern} matches {match}, inside --output {out}: a run does not read its "
+                                 "own output; narrow the pattern, or choose an --output outside it")  # fmt: skip
+
+
 def check_inputs(patterns: list[str], text_field: str) -> list[str]:
     """Every input exists, is readable and has a known format (parquet: the column), before any work (else an InputError
     that names the file); preprocessing and cleaning both start here."""

@@ -21,7 +21,6 @@ document (a person must act); 4 the output's disk is full (make room, then the s
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -74,7 +73,7 @@ def build_job(args: argparse.Namespace):
     from data_prep.quality.cleaning.config import CleanConfigError, load_clean_config
     from data_prep.quality.cleaning.runner import CleanError
     from data_prep.quality.cleaning.stages import CleanJob
-    from data_prep.reading.readers import InputError, check_inputs
+    from data_prep.reading.readers import InputError, check_inputs, check_outside_output
 
     if args.workers < 1 or (args.tasks is not None and args.tasks < 1):
         raise CleanError("--workers and --tasks must be positive")
@@ -86,26 +85,13 @@ def build_job(args: argparse.Namespace):
     preset = None if args.config else args.preset or "web"
     try:
         config = load_clean_config(args.config or PRESETS[preset])
-        check_not_inside_output(args.input, Path(args.output).resolve())
+        check_outside_output(args.input, Path(args.output))
         files = check_inputs(args.input, args.text_field)
     except (CleanConfigError, InputError) as error:
         raise CleanError(str(error)) from None
     tasks = args.tasks or len(files)
     return CleanJob(str(Path(args.output).resolve()), tuple(files), config, tasks, args.text_field, args.strict,
                     args.skip_corrupt_files, args.keep_removed, preset)  # fmt: skip
-
-
-def check_not_inside_output(patterns: list[str], out: Path) -> None:
-    """No input lies in the output: a rerun of `--input 'raw/*' --output raw/cleaned` matched its own output (and was
-    refused as "does not exist or is not a file")."""
-    from data_prep.quality.cleaning.runner import CleanError
-
-    for pattern in patterns:
-        for match in sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]:
-            resolved = Path(match).resolve()
-            if resolved == out or out in resolved.parents:
-                raise CleanError(f"--input {pattern} matches {match}, inside --output {out}: a run does not read its "
-                                 "own output; narrow the pattern, or choose an --output outside it")  # fmt: skip
 
 
 def check_output(out: Path) -> None:
