@@ -2,8 +2,8 @@
 global-sample-index reader that training uses."""
 
 import gzip
-import shutil
 import json
+import shutil
 
 import datasets
 import numpy as np

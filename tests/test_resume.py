@@ -173,41 +173,51 @@ def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, 
 
 
 def test_early_stopping_exports_the_best_checkpoint(tmp_path, corpus):
-    # A threshold no evaluation can beat: the first evaluation is the best, the next one stops the run.
+    # A learning rate that overshoots: the eval loss falls, then rises once (step 36), and patience 1 stops the run.
     args = tiny_overrides(
-        corpus, tmp_path, max_steps=40, eval_steps=4, save_steps=100, logging_steps=4, max_eval_samples=16,
-        early_stopping_patience=1, early_stopping_threshold=100.0,
+        corpus, tmp_path, max_steps=60, eval_steps=4, save_steps=100, logging_steps=4, max_eval_samples=16,
+        early_stopping_patience=1, learning_rate="0.3", warmup_steps=0,
     )  # fmt: skip
     result = launch(REPO / "recipes/pretrain.py", args)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((tmp_path / "run_summary.json").read_text())
-    assert summary["steps"] == 8 and summary["stop_reason"].startswith("early stopping")
-    assert summary["best_checkpoint"] == "checkpoint-4"
-    assert "exporting the best checkpoint, checkpoint-4, to final/" in result.stderr
-    assert (tmp_path / "checkpoint-4").exists() and (tmp_path / "checkpoint-8").exists()
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_loss" in r}
+    stopped = summary["steps"]
+    best = min(evals, key=evals.get)
+    assert summary["stop_reason"].startswith("early stopping") and stopped < 60 and best == stopped - 4, evals
+    assert summary["best_checkpoint"] == f"checkpoint-{best}"
+    assert f"exporting the best checkpoint, checkpoint-{best}, to final/" in result.stderr
+    assert (tmp_path / f"checkpoint-{best}").exists() and (tmp_path / f"checkpoint-{stopped}").exists()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32).eval()
     rows = load_validation_rows(
         [str(corpus["validation"])], AutoTokenizer.from_pretrained(tmp_path / "final"), 128, "text", 16
     )
     with torch.no_grad():
         loss = model(input_ids=rows, labels=rows).loss.item()
-    evals = {r["step"]: r["eval_loss"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_loss" in r}
-    assert loss == pytest.approx(evals[4], abs=0.03) and abs(loss - evals[8]) > 0.03
+    assert loss == pytest.approx(evals[best], abs=0.01) and abs(loss - evals[stopped]) > 0.01
+    # The same command again (a requeue after a stop signal cut the export, or a crash) stays stopped: it trained on
+    # from the early stop's checkpoint before, and exported a later model
+    (tmp_path / "final").rename(tmp_path / "final-first")
+    again = launch(REPO / "recipes/pretrain.py", args)
+    assert again.returncode == 0, again.stderr[-4000:]
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    assert summary["steps"] == stopped and summary["stop_reason"].startswith("early stopping"), summary
+    assert f"exporting the best checkpoint, checkpoint-{best}, to final/" in again.stderr
     # Resumed with another validation set: its losses are not compared with the old set's best (once the new set's
     # first loss "did not improve" on the old set's and the run stopped early, exporting an old checkpoint).
     changed = tmp_path / "validation_reversed.jsonl"
     changed.write_text("".join(reversed(corpus["validation"].read_text().splitlines(keepends=True))))
     args = tiny_overrides(
-        corpus, tmp_path, max_steps=12, eval_steps=4, save_steps=100, logging_steps=4, max_eval_samples=16,
-        early_stopping_patience=1, early_stopping_threshold=100.0, validation_files=changed,
+        corpus, tmp_path, max_steps=stopped + 4, eval_steps=4, save_steps=100, logging_steps=4, max_eval_samples=16,
+        early_stopping_patience=1, learning_rate="0.3", warmup_steps=0, validation_files=changed,
     )  # fmt: skip
     resumed = launch(REPO / "recipes/pretrain.py", args)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "validation set changed since the last evaluation" in resumed.stderr
-    assert "the old set's best was" in resumed.stderr and "at checkpoint-4)" in resumed.stderr
+    assert "the old set's best was" in resumed.stderr and f"at checkpoint-{best})" in resumed.stderr
     summary = json.loads((tmp_path / "run_summary.json").read_text())
-    assert summary["steps"] == 12 and summary["stop_reason"].startswith("max_steps"), summary
-    assert summary["best_checkpoint"] == "checkpoint-12"
+    assert summary["steps"] == stopped + 4 and summary["stop_reason"].startswith("max_steps"), summary
+    assert summary["best_checkpoint"] == f"checkpoint-{stopped + 4}"
 
 
 def test_a_blown_up_run_stops_every_rank_without_saving(tmp_path, corpus):

@@ -223,7 +223,8 @@ class PretrainConfig:
         metadata={"help": "Stop after this many evaluations without an eval_loss improvement; unset disables it."},
     )
     early_stopping_threshold: float = field(
-        default=0.0, metadata={"help": "Minimum eval_loss decrease that counts as an improvement."}
+        default=0.0,
+        metadata={"help": "Minimum eval_loss decrease that resets the patience count (the best is any lower loss)."},
     )
     loss_spike_factor: float | None = field(
         default=None,

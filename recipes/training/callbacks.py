@@ -5,6 +5,8 @@ collective (an evaluation forward under ZeRO-3, a save, a reduction) stays in st
 Files are written through `trainer.metrics`, which writes on the main process only. The Trainer calls, in
 the order the callbacks were given:
 
+    stop_before_training(trainer)           before the first step: a reason not to train (a resumed run that had
+                                            stopped early), or None
     on_train_start(trainer)                 before the first step
     on_step_end(trainer, result, control)   after every optimizer step; `control` can stop the run or mark the
                                             step undone (a rollback), which hides it from later callbacks
@@ -38,6 +40,9 @@ logger = logging.getLogger("pretrain")
 
 class Callback:
     """Base class: every method does nothing unless overridden."""
+
+    def stop_before_training(self, trainer: TrainerView) -> Stop | None:
+        return None
 
     def on_train_start(self, trainer: TrainerView) -> None:
         pass
@@ -225,9 +230,10 @@ class Benchmarks(Callback):
 
 
 class Validation(Callback):
-    """eval_loss every `eval_steps` (and at the last step) on every rank. A new best is saved at once (and kept
-    by rotation); after `patience` evaluations without an improvement larger than `threshold` the run stops.
-    The loss is all-reduced, so every rank takes the same decision."""
+    """eval_loss every `eval_steps` (and at the last step) on every rank. A new best (any lower loss) is saved at
+    once (and kept by rotation); after `patience` evaluations without an improvement larger than `threshold` (as
+    transformers' EarlyStoppingCallback counts) the run stops, and a relaunch of it stays stopped. The loss is
+    all-reduced, so every rank takes the same decision."""
 
     def __init__(self, rows: torch.Tensor, eval_steps: int, batch_size: int, masking: DocumentMasking,
                  patience: int | None, threshold: float):  # fmt: skip
@@ -245,19 +251,26 @@ class Validation(Callback):
         restarted = state.key_best_to(self.rows_sha256)  # after a resume (or a rollback) with another set
         if restarted:
             logger.warning("%s", restarted)
-        if state.best_eval_loss is None or eval_loss < state.best_eval_loss - self.threshold:
-            state.best_eval_loss, state.evaluations_without_improvement = eval_loss, 0
-            state.best_checkpoint = f"checkpoint-{state.step}"
+        first = state.best_eval_loss is None
+        significant = first or eval_loss < state.best_eval_loss - self.threshold
+        state.evaluations_without_improvement = 0 if significant else state.evaluations_without_improvement + 1
+        if first or eval_loss < state.best_eval_loss:  # the threshold is patience's: the best is the lowest loss
+            state.best_eval_loss, state.best_checkpoint = eval_loss, f"checkpoint-{state.step}"
             trainer.save()  # the best model is always on disk, and protected from rotation
-            return
-        state.evaluations_without_improvement += 1
-        if self.patience and state.evaluations_without_improvement >= self.patience:
-            control.stop = Stop(
-                StopReason.EARLY_STOPPING,
-                f"no eval_loss improvement in {state.evaluations_without_improvement} evaluations "
-                f"(best {state.best_eval_loss:.4f} at {state.best_checkpoint})",
-            )
+        control.stop = self.stop_before_training(trainer)
+        if control.stop:
             trainer.save()
+
+    def stop_before_training(self, trainer: TrainerView) -> Stop | None:
+        """Early stopping, once `patience` evaluations on this validation set have not improved: at an evaluation,
+        and at the start of a relaunch of a run that stopped so (a requeue after its export was cut trained on)."""
+        state = trainer.state
+        same_set = state.validation_sha256 in (None, self.rows_sha256)
+        if not (self.patience and same_set and state.evaluations_without_improvement >= self.patience):
+            return None
+        return Stop(StopReason.EARLY_STOPPING, f"no eval_loss improvement larger than {self.threshold:g} in "
+                    f"{state.evaluations_without_improvement} evaluations (best {state.best_eval_loss:.4f} at "
+                    f"{state.best_checkpoint})")  # fmt: skip
 
 
 class PeriodicCheckpoint(Callback):

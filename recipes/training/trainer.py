@@ -94,7 +94,7 @@ class Trainer:
         self.model.train()
         for callback in self.callbacks:
             callback.on_train_start(self)
-        stop: Stop | None = None
+        stop = next(filter(None, (callback.stop_before_training(self) for callback in self.callbacks)), None)
         self.data_ends = self._data_ends()
         while stop is None:
             if self.state.step >= self.total_steps:

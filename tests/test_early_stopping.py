@@ -1,0 +1,93 @@
+"""Early stopping's decisions, on the Validation callback and the real Trainer loop with stand-in parts (one process,
+no model): which checkpoint is the best, when the run stops, and that a relaunch of a stopped run stays stopped."""
+
+import types
+
+import pytest
+import torch
+
+from recipes.training import callbacks
+from recipes.training.interface import Control
+from recipes.training.run_state import RunState, StopReason
+
+ROWS = torch.zeros(1, 8, dtype=torch.long)
+
+
+class Saves:
+    """The part of a trainer the Validation callback uses."""
+
+    def __init__(self, state):
+        self.state, self.saved = state, []
+        self.metrics = types.SimpleNamespace(write=lambda step, record: None)
+        self.accelerator = self.model = None
+
+    def due(self, interval):
+        return True
+
+    def save(self):
+        self.saved.append(self.state.step)
+
+
+def evaluate(monkeypatch, losses, patience, threshold):
+    """The callback over one evaluation per loss, at steps 1000, 2000, ...: (trainer, stop or None at each)."""
+    remaining = iter(losses)
+    monkeypatch.setattr(callbacks, "validation_loss", lambda *args, **kwargs: next(remaining))
+    validation = callbacks.Validation(ROWS, 1000, 1, None, patience=patience, threshold=threshold)
+    trainer, stops = Saves(RunState()), []
+    for index in range(len(losses)):
+        trainer.state.step = 1000 * (index + 1)
+        control = Control()
+        validation.on_step_end(trainer, None, control)
+        stops.append(control.stop)
+    return trainer, stops
+
+
+def test_the_best_checkpoint_is_the_lowest_loss_and_the_threshold_only_counts_patience(monkeypatch):
+    """With early_stopping_threshold > 0 the best moved only on an improvement larger than the threshold: a run that
+    improved by less each time exported its first checkpoint (and protected it from rotation over better ones)."""
+    trainer, stops = evaluate(monkeypatch, [2.000, 1.995, 1.992, 1.991], patience=3, threshold=0.01)
+    assert trainer.state.best_eval_loss == 1.991 and trainer.state.best_checkpoint == "checkpoint-4000"
+    assert trainer.saved[:4] == [1000, 2000, 3000, 4000]  # each new best is saved when it is measured
+    assert stops[:3] == [None, None, None] and stops[3].reason is StopReason.EARLY_STOPPING
+    assert "larger than 0.01 in 3 evaluations (best 1.9910 at checkpoint-4000)" in str(stops[3])
+    trainer, stops = evaluate(monkeypatch, [2.0, 1.5, 1.6, 1.4, 1.45], patience=2, threshold=0.0)
+    assert trainer.state.best_checkpoint == "checkpoint-4000" and stops == [None] * 5
+
+
+def test_a_relaunch_of_a_run_that_stopped_early_stays_stopped(monkeypatch):
+    """Nothing kept an early stop: a relaunch (the requeue after a stop signal cut the best model's export, or a
+    crash) resumed below max_steps and trained on, ~1,000 steps at 70B before it stopped again, or never did. The
+    relaunch now stops before its first step and exports, as the first launch would have."""
+    from recipes.config import load_config
+    from recipes.training.attention import DocumentMasking
+    from recipes.training.trainer import Trainer
+    from tests.conftest import TINY_RECIPE
+
+    config = load_config(TINY_RECIPE, ["--max_steps", "100"])
+    stopped = RunState(step=20, best_eval_loss=2.0, evaluations_without_improvement=3,
+                       best_checkpoint="checkpoint-5", validation_sha256=callbacks.rows_sha256(ROWS))  # fmt: skip
+
+    class Trained(Exception):
+        pass
+
+    def take(count):
+        raise Trained
+
+    accelerator = types.SimpleNamespace(device="cpu", num_processes=1, is_main_process=True)
+    data = types.SimpleNamespace(peek=lambda count: True, take=take)
+    checkpointer = types.SimpleNamespace(progress=None, last=None)
+
+    def trainer_for(patience, state):
+        validation = callbacks.Validation(ROWS, 5, 1, None, patience=patience, threshold=0.0)
+        return Trainer(config, accelerator, types.SimpleNamespace(train=lambda: None), None, data=data,
+                       checkpointer=checkpointer, metrics=None, signals=types.SimpleNamespace(received=None),
+                       state=state, callbacks=[validation], masking=DocumentMasking(None, "sdpa"),
+                       num_parameters=1)  # fmt: skip
+
+    monkeypatch.setattr("recipes.training.trainer.any_rank", lambda flags, device: flags)
+    stop = trainer_for(3, stopped).fit()
+    assert stop.reason is StopReason.EARLY_STOPPING  # before any batch was taken
+    assert "in 3 evaluations (best 2.0000 at checkpoint-5)" in str(stop)
+    # patience raised in the recipe on relaunch: a person chose to train on
+    with pytest.raises(Trained):  # the loop takes its step's batches
+        trainer_for(5, stopped).fit()
