@@ -106,7 +106,7 @@ def test_with_enough_files_each_reader_opens_only_its_own(tmp_path, monkeypatch)
     import data_prep.packing.stream as stream
 
     paths = []
-    for f in range(7):
+    for f in range(6):
         path = tmp_path / f"part-{f}.jsonl"
         path.write_text("".join(json.dumps({"text": f"file {f} doc {i}"}) + "\n" for i in range(10)))
         paths.append(str(path))
@@ -115,10 +115,25 @@ def test_with_enough_files_each_reader_opens_only_its_own(tmp_path, monkeypatch)
     monkeypatch.setattr(stream, "iter_source_texts", lambda source, *a: opened.append(source) or original(source, *a))
     shards = [list(shard_documents(paths, "text", shard, 3)) for shard in range(3)]
     assert sorted(itertools.chain.from_iterable(shards)) == sorted(
-        f"file {f} doc {i}" for f in range(7) for i in range(10)
+        f"file {f} doc {i}" for f in range(6) for i in range(10)
     )
     assert opened == [*paths[0::3], *paths[1::3], *paths[2::3]], "each file opened once, by its own reader"
-    assert stream.sharding(7, 3) == "file" and stream.sharding(2, 3) == "record"
+    assert stream.sharding(6, 3) == "file" and stream.sharding(2, 3) == "record"
+
+
+def test_files_that_do_not_divide_among_the_readers_are_shared_by_record_so_none_goes_untrained(tmp_path):
+    """9 equal files over 8 readers by file gave reader 0 two files: training ends when the first reader runs out,
+    so one file in nine (53 % of the corpus with 15 files) was never trained on, silently."""
+    from data_prep.packing.stream import sharding
+
+    paths = []
+    for f in range(9):
+        path = tmp_path / f"part-{f}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"file {f} doc {i}"}) + "\n" for i in range(40)))
+        paths.append(str(path))
+    assert sharding(9, 8) == "record" and sharding(16, 8) == "file" and sharding(0, 8) == "record"
+    counts = [len(list(shard_documents(paths, "text", shard, 8))) for shard in range(8)]
+    assert sum(counts) == 9 * 40 and max(counts) - min(counts) <= 1, counts
 
 
 def test_document_position_ids_restart_after_every_eos():

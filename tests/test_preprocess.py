@@ -268,3 +268,26 @@ def test_a_datasets_own_directory_as_output_is_refused_and_its_files_stay(tmp_pa
     with pytest.raises(PreprocessError, match="data/train-00000-of-00002.parquet, which preprocessing does not write"):
         preprocess(str(corpus["tokenizer"]), [str(copy)], str(dataset), SEQ)
     assert sorted(p.name for p in (dataset / "data").iterdir()) == before
+
+
+def test_a_special_tokens_string_inside_a_document_is_text_not_a_document_boundary(tmp_path, corpus):
+    """`<|endoftext|>` (this package's EOS) and `<|pad|>` written in a document (web text, code) became the EOS and
+    PAD ids: a false document boundary (position ids reset, attention cut) or a PAD mid-document. Both the offline
+    preprocessing and the raw-text stream read them as text now; only the EOS packing appends is special."""
+    from data_prep.packing.stream import tokenize_in_batches
+
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    texts = ["a model writes <|endoftext|> in its own code", "and <|pad|> too, <|endoftext|><|endoftext|> twice"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    special = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    streamed = list(tokenize_in_batches(iter(texts), tokenizer))
+    assert [special & set(ids.tolist()) for ids in streamed] == [set(), set()]
+    assert [tokenizer.decode(ids) for ids in streamed] == texts
+    manifest = preprocess(str(corpus["tokenizer"]), [str(tmp_path / "in.jsonl")], str(tmp_path / "out"), 8)
+    assert manifest["special_tokens_in_text"] == "text"
+    rows = np.concatenate([np.stack(pq.read_table(tmp_path / "out" / shard["path"])["input_ids"].to_numpy(
+        zero_copy_only=False)) for shard in manifest["shards"]])  # fmt: skip
+    ids = rows.reshape(-1).tolist()
+    packed = [*streamed[0].tolist(), tokenizer.eos_token_id, *streamed[1].tolist(), tokenizer.eos_token_id]
+    assert ids == packed[: len(ids)] and len(ids) > len(streamed[0]) + 1  # both documents, one boundary between
+    assert tokenizer.pad_token_id is not None  # the fixture's tokenizer has both: the test can fail

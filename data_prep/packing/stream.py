@@ -1,11 +1,12 @@
 """Streaming tokenize-and-pack: raw text files in, rows of exactly `seq_len` token ids out.
 
-One shard per (rank, dataloader worker). With at least as many files as shards, sharding is by file: shard s
-reads files s, s + num_shards, ..., so each reader opens only its own files (balanced when the files are of
-similar size, as the shards of a corpus usually are). With fewer files it is by record: record i (a line, or a
-parquet row) of file f belongs to shard `(i + f) % num_shards`; every shard then reads every file but parses and
-tokenizes only its own records, and offsetting by the file index spreads short files over all shards. Either
-way shards are disjoint and together cover the corpus exactly once.
+One shard per (rank, dataloader worker). When the files divide evenly among the shards, sharding is by file:
+shard s reads files s, s + num_shards, ..., so each reader opens only its own files (balanced when the files are
+of similar size, as the shards of a corpus usually are). Otherwise it is by record: record i (a line, or a parquet
+row) of file f belongs to shard `(i + f) % num_shards`; every shard then reads every file but parses and tokenizes
+only its own records, and offsetting by the file index spreads short files over all shards. Either way shards are
+disjoint and together cover the corpus exactly once. (Training ends when the first reader runs out: 9 files over
+8 readers by file gave one reader two files, and the 9th file was never trained on.)
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from data_prep.packing.rows import MAX_DOCUMENT_CHARS, pack_arrays, split_text
 from data_prep.reading.readers import iter_source_texts
-from data_prep.tokenizer.loading import plain_backend
+from data_prep.tokenizer.loading import text_backend
 
 TOKENIZE_BATCH_DOCS = 256
 
 
 def sharding(num_sources: int, num_shards: int) -> str:
-    """'file' when every shard can have files of its own, else 'record'."""
-    return "file" if num_sources >= num_shards else "record"
+    """'file' when every shard can have as many files of its own as every other, else 'record'."""
+    return "file" if num_sources and num_sources % num_shards == 0 else "record"
 
 
 def shard_documents(sources: list[str], text_field: str, shard: int, num_shards: int) -> Iterator[str]:
@@ -39,8 +40,8 @@ def shard_documents(sources: list[str], text_field: str, shard: int, num_shards:
 
 def encode_batch(tokenizer, texts: list[str], backend=None) -> list[np.ndarray]:
     """Token ids of each text (int64), no special tokens. The Rust backend's `encode_batch_fast` (`backend`: the
-    tokenizer's, without truncation and padding, see `plain_backend`) skips the offsets and the Python-side
-    BatchEncoding; its ids are the ones `tokenizer(texts)` gives."""
+    tokenizer's, without truncation and padding, special-token strings read as text: see `text_backend`) skips the
+    offsets and the Python-side BatchEncoding."""
     if backend is None or not hasattr(backend, "encode_batch_fast"):
         return [np.asarray(ids, dtype=np.int64) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     # each document's list of ints is dropped as soon as it is converted: the next reuses its memory, still in cache
@@ -51,7 +52,7 @@ def encode_batch(tokenizer, texts: list[str], backend=None) -> list[np.ndarray]:
 def tokenize_in_batches(texts: Iterator[str], tokenizer, batch_docs: int = TOKENIZE_BATCH_DOCS) -> Iterator[np.ndarray]:
     """Token ids per document; batched calls let the fast tokenizer use its Rust threads. A document longer than
     MAX_DOCUMENT_CHARS is tokenized piece by piece (see `split_text`), so memory stays bounded."""
-    backend = plain_backend(tokenizer) if hasattr(tokenizer, "backend_tokenizer") else None
+    backend = text_backend(tokenizer) if hasattr(tokenizer, "backend_tokenizer") else None
     batch: list[str] = []
     for text in texts:
         if len(text) > MAX_DOCUMENT_CHARS:  # in order: first the documents before it

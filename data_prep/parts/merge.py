@@ -239,6 +239,11 @@ def merged_manifest(manifests: list[dict], shards: list[dict], part_paths: list[
         settings["input_fingerprints"] = [f for m in manifests for f in m["settings"]["input_fingerprints"]]
     return {
         **{key: first[key] for key in ("seq_len", "dtype", "tokenizer")},
+        **(
+            {"special_tokens_in_text": "text"}
+            if all(m.get("special_tokens_in_text") == "text" for m in manifests)
+            else {}
+        ),  # fmt: skip
         **totals,
         "settings": settings,
         "skipped": skipped,

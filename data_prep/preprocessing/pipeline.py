@@ -425,6 +425,8 @@ def build_manifest(settings: dict, progress: Progress, packer: Packer, num_worke
         "seq_len": seq_len,
         "dtype": packer.writer.dtype.name,
         "tokenizer": settings["tokenizer"],
+        # not a setting: outputs made before it (when such a string was the token) are still complete and merge
+        "special_tokens_in_text": "text",
         "dropped_tail_tokens": int(len(packer.carry)),
         "skipped": progress.skipped,
         "skipped_examples": {reason: lines for reason, lines in progress.skipped_examples.items() if lines},

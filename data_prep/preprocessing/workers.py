@@ -31,6 +31,7 @@ def init_worker(serialized: str, eos_id: int, spec: FilterSpec) -> None:
 
     global _WORKER_TOKENIZER, _WORKER_EOS, _WORKER_EXAMINER
     _WORKER_TOKENIZER, _WORKER_EOS = Tokenizer.from_str(serialized), eos_id
+    _WORKER_TOKENIZER.encode_special_tokens = True  # a special token's string in a document is text (text_backend)
     _WORKER_EXAMINER = PieceExaminer(spec) if spec.active else None
 
 

@@ -63,6 +63,18 @@ def plain_backend(tokenizer):
     return plain
 
 
+def text_backend(tokenizer):
+    """A copy of `plain_backend` that reads a special token's string found in a document (`<|endoftext|>` in web
+    text and code, Llama 3's 256 reserved names) as the text it is: only the EOS packing appends between documents is
+    special. Encoded as the token, each one was a false document boundary (position ids reset, attention cut) or a
+    PAD in mid-document."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(plain_backend(tokenizer).to_str())
+    copy.encode_special_tokens = True
+    return copy
+
+
 def tokenizer_pin(directory: str | Path) -> Path:
     """The file beside a tokenizer directory that a training run holds a shared flock on while it runs (see
     `pin_tokenizer`): `train_tokenizer --overwrite` refuses a directory whose pin is held. Beside it, not in it: the
