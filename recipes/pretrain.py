@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch = check_launch(config)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
-        return report_error(error)
+        return report_error(error, config)
     trainer = build_trainer(config, launch, started)
 
     code = None  # a crash (a traceback) has no code to serve: Prometheus sees the endpoint go as a dead run's
@@ -76,17 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def report_error(error: Exception) -> int:
-    """A user's mistake: one line on the main process, exit code 2, no traceback. The first rank of every other node
-    says it too, naming its host: a check that fails on one node only (a missing mount, fewer GPUs) is otherwise
-    said nowhere."""
+def report_error(error: Exception, config=None) -> int:
+    """A user's mistake: one line on the main process, exit code 2, no traceback; the first rank of every other node
+    names its host (a check failing on one node only is otherwise said nowhere); served as a run's end is."""
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if rank == 0:
         print(f"error: {error}", file=sys.stderr)
     elif local_rank == 0:
-        import socket
-
         print(f"error: {error} (on {socket.gethostname()}, rank {rank})", file=sys.stderr)
+    if config is not None and config.prometheus_port is not None:  # a failed run to monitoring, not a lost node
+        from recipes.telemetry.monitoring import serve_exit_code
+
+        serve_exit_code(config.prometheus_port, config.metrics_host, 2, config.metrics_linger_s)
     return 2
 
 

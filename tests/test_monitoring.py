@@ -198,3 +198,40 @@ def assert_rules_behave(tmp_path, series: list[dict], checks: list[dict]) -> Non
     tested = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts_test.yml")], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
     assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+
+
+def test_every_rank_waits_while_the_exit_code_is_served_and_a_crash_does_not():
+    """Only a node's first rank serves the endpoint; a rank without it exited at once with its 2-5, and the launcher
+    then ended the serving rank before any scrape saw the code."""
+    writer = metrics.MetricsWriter("unused", enabled=False, lingers=True)
+    started = time.monotonic()
+    writer.close(4, 0.5)
+    assert time.monotonic() - started >= 0.5
+    started = time.monotonic()
+    writer.close(None, 30.0)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.multiprocess
+def test_a_launch_refused_at_its_start_serves_exit_code_2_before_it_goes(tmp_path, corpus):
+    """A refusal at start-up (exit 2) served nothing: the first launch's endpoint looked like a lost node's
+    (PretrainEndpointDown), and a requeued start's showed nothing at all (its last value was the previous 0)."""
+    import subprocess
+
+    from tests.conftest import launch_command, start, tiny_overrides
+
+    port = free_port()
+    args = tiny_overrides(corpus, tmp_path / "run", train_files=tmp_path / "gone.jsonl")
+    process = start(launch_command(REPO / "recipes/pretrain.py", [*args, "--prometheus_port", str(port),
+                                                                  "--metrics_linger_s", "8"]),
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    served = set()
+    while process.poll() is None:
+        try:
+            served |= set(re.findall(r'pretrain_run_exit_code\{node="0"\} (\S+)', scrape(port)))
+        except OSError:
+            pass
+        time.sleep(0.3)
+    stderr = process.communicate()[1]
+    assert process.returncode != 0 and stderr.count("error: train_files") == 1, stderr[-3000:]
+    assert served == {"2.0"}, stderr[-3000:]

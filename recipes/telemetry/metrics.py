@@ -7,6 +7,7 @@ already reduced.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,14 @@ class MetricsWriter:
     truth) and the experiment trackers (`accelerator.log`: TensorBoard, wandb, MLflow per `report_to`). On every
     node's local rank 0 with a Prometheus exporter: its latest values. Call `write` on every rank alike."""
 
-    def __init__(self, output_dir: str | Path, enabled: bool, prometheus=None, trackers=None):
+    def __init__(self, output_dir: str | Path, enabled: bool, prometheus=None, trackers=None, lingers: bool = False):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.prometheus = prometheus  # recipes.telemetry.monitoring.PrometheusExporter, or None
         self.trackers = trackers  # an Accelerator whose trackers were started, or None
+        # every rank of a run with an endpoint waits while it serves the exit code: a rank exiting first (exit 2-5)
+        # makes the launcher end the others, the serving one among them
+        self.lingers = lingers
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         record = {"step": step, **values}
@@ -86,6 +90,8 @@ class MetricsWriter:
         if self.prometheus is not None:
             self.prometheus.close(exit_code, linger_s)
             self.prometheus = None
+        elif self.lingers and exit_code is not None:
+            time.sleep(max(linger_s, 0.0))
 
 
 def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:

@@ -8,6 +8,7 @@ and GPU memory), labelled with rank and node. Names follow Prometheus's conventi
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -135,3 +136,21 @@ class PrometheusExporter:
             time.sleep(max(linger_s, 0.0))
         self._server.shutdown()
         self._server.server_close()
+
+
+def serve_exit_code(port: int, host: str, code: int, linger_s: float) -> None:
+    """What a launch refused at its start (exit 2: the recipe, an input, a checkpoint) serves before it goes, as a
+    run's end does: without it a first launch's endpoint looked like a lost node's, and a requeued one's showed
+    nothing (its last value was the previous launch's 0). Every rank waits `linger_s`: one exiting first makes the
+    launcher end the others, the serving one too. A port that cannot be bound (the refusal may be that) is skipped."""
+    exporter = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        node = int(os.environ.get("GROUP_RANK", "0"))  # torchrun's node rank
+        try:
+            exporter = PrometheusExporter(port, node, ranks=[], host=host)
+        except OSError:
+            exporter = None
+    if exporter is not None:
+        exporter.close(code, linger_s)
+    else:
+        time.sleep(max(linger_s, 0.0))

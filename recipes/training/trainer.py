@@ -265,9 +265,9 @@ def metrics_writer(config: PretrainConfig, accelerator, planned_tokens_per_s: fl
         if planned_tokens_per_s:  # what the throughput alert compares with (monitoring/alerts.yml)
             exporter.update({"planned_tokens_per_s": planned_tokens_per_s})
     uses_trackers = accelerator.is_main_process and bool(accelerator.trackers)
-    return MetricsWriter(
-        config.output_dir, accelerator.is_main_process, exporter, accelerator if uses_trackers else None
-    )
+    trackers_on = accelerator if uses_trackers else None
+    return MetricsWriter(config.output_dir, accelerator.is_main_process, exporter, trackers_on,
+                         lingers=config.prometheus_port is not None)  # fmt: skip
 
 
 def build_trainer(config: PretrainConfig, launch: Launch, started: float) -> Trainer:
