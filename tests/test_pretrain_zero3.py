@@ -41,6 +41,7 @@ def test_loss_falls_and_metrics_are_complete(run):
     tokens_per_step = 2 * 8 * 2 * 128  # ranks x micro-batch x accumulation x sequence length
     for record in train:
         assert record["tokens_per_s"] * record["step_time_s"] == pytest.approx(tokens_per_step, rel=1e-6)
+        assert 0 <= record["data_wait_s"] < record["step_time_s"], "the wait for batches is part of the step"
     assert train[-1]["num_tokens"] == STEPS * tokens_per_step
     assert train[0]["loss"] > math.log(1024) - 0.5, "starts near the uniform loss over 1024 tokens"
     assert train[-1]["loss"] < train[0]["loss"] - 0.5

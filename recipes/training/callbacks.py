@@ -125,7 +125,8 @@ class MetricLogger(Callback):
         per_rank = accelerator.gather(memory).cpu()
         # Ranks step in lockstep, so the slowest rank's time is the window's wall time; the tokens are
         # what all ranks consumed together, each counting only its own micro-batches.
-        seconds = accelerator.reduce(torch.tensor([window.seconds], device=accelerator.device), reduction="max").item()
+        slowest = torch.tensor([window.seconds, window.data_seconds], device=accelerator.device, dtype=torch.float64)
+        seconds, data_seconds = accelerator.reduce(slowest, reduction="max").tolist()
         window_tokens = int(totals[2].item())
         window_steps = int(totals[1].item()) // (trainer.config.gradient_accumulation_steps * accelerator.num_processes)
         tokens_per_s = metrics.tokens_per_second(window_tokens, seconds)
@@ -141,18 +142,20 @@ class MetricLogger(Callback):
             ),
             "peak_host_memory_gb": per_rank[:, 0].max().item(),
             "step_time_s": seconds / window_steps,
+            "data_wait_s": data_seconds / window_steps,  # of step_time_s: the slowest rank's wait for its batches
             "peak_host_memory_gb_per_rank": per_rank[:, 0].tolist(),
         }
         if torch.cuda.is_available():
             record["peak_gpu_memory_gb"] = per_rank[:, 1].max().item()
             record["peak_gpu_memory_gb_per_rank"] = per_rank[:, 1].tolist()
         logger.info(
-            "loss %.4f | lr %.3g | grad_norm %.3f | %.0f tokens/s | MFU %s | host %.2f GB",
+            "loss %.4f | lr %.3g | grad_norm %.3f | %.0f tokens/s | MFU %s | data wait %.0f%% | host %.2f GB",
             record["loss"],
             lr,
-            record["grad_norm"] or float("nan"),
+            float("nan") if record["grad_norm"] is None else record["grad_norm"],
             tokens_per_s,
             "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%",
+            100 * data_seconds / seconds if seconds else 0.0,
             record["peak_host_memory_gb"],
         )
         return record

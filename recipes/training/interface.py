@@ -23,11 +23,13 @@ class StepResult:
 
 class StepWindow:
     """Sums since the last metric line, on this rank: loss, micro-batches, tokens, and step seconds (evaluation
-    and saving excluded). `MetricLogger` reduces them over ranks and resets them."""
+    and saving excluded; waiting for the next step's batches included, and also summed alone in `data_seconds`).
+    `MetricLogger` reduces them over ranks and resets them."""
 
     def __init__(self, device):
         self.totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, micro-batches, tokens
         self.seconds = 0.0
+        self.data_seconds = 0.0
 
     def add(self, loss: torch.Tensor, num_tokens: int) -> None:
         self.totals[0] += loss.detach().double()
@@ -36,7 +38,7 @@ class StepWindow:
 
     def reset(self) -> None:
         self.totals.zero_()
-        self.seconds = 0.0
+        self.seconds = self.data_seconds = 0.0
 
 
 @dataclass

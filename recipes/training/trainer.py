@@ -128,8 +128,13 @@ class Trainer:
         """Whether any rank's data has no further step (a collective; reads the next step's batches ahead)."""
         if self.state.step >= self.total_steps:
             return False
+        started = time.perf_counter()
         has_next = self.data.peek(self.config.gradient_accumulation_steps)
         (ends,) = any_rank([not has_next], self.accelerator.device)
+        # the wait for the slowest rank's loader is step time: a run held back by its data showed full speed
+        waited = time.perf_counter() - started
+        self.window.seconds += waited
+        self.window.data_seconds += waited
         return bool(ends)
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
