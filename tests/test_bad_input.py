@@ -370,3 +370,22 @@ def test_json_lines_read_as_the_standard_json_module_reads_them(tmp_path):
                    (9, None, "empty_text"), (10, None, "missing_field"), (11, None, "malformed_json"),
                    (12, None, "malformed_json"), (13, "smile \U0001f600", None), (14, None, "invalid_utf8"),
                    (15, "a backslash then u: \\ud800", None)]  # fmt: skip
+
+
+def test_a_parquet_row_that_is_not_utf8_is_skipped_and_counted_not_the_rest_of_its_file(tmp_path):
+    """Spark and parquet-mr write string columns without checking UTF-8: one bad row made pyarrow's decoding of the
+    whole row group fail, which was a "truncated or corrupt" file (exit 2), or with --skip-corrupt-files the loss of
+    that row group and every later one. The row is skipped as invalid_utf8 now, as a jsonl line is."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_prep.reading.readers import iter_records
+
+    data = b"first row" + b"bad \xff byte" + b"third row"
+    offsets = pa.array([0, 9, 19, 28], pa.int32()).buffers()[1]
+    column = pa.Array.from_buffers(pa.string(), 3, [None, offsets, pa.py_buffer(data)])
+    pq.write_table(pa.table({"text": pa.chunked_array([column, pa.array(["later group", None])])}),
+                   tmp_path / "spark.parquet", row_group_size=3)  # fmt: skip
+    got = [(r.line, r.text, r.skipped) for r in iter_records(tmp_path / "spark.parquet")]
+    assert got == [(1, "first row", None), (2, None, "invalid_utf8"), (3, "third row", None),
+                   (4, "later group", None), (5, None, "missing_field")]  # fmt: skip

@@ -190,3 +190,31 @@ def test_a_source_that_runs_out_wraps_or_ends_the_mixture(two_sources):
     last = len(repeating) - 1
     source, within = repeating.blend.locate(last)
     assert torch.equal(repeating[last]["input_ids"], sources[source][within % rows[source]]["input_ids"]), "wrapped"
+
+
+def test_an_empty_source_is_one_line_and_a_repeating_mixture_has_room_for_its_rollbacks(two_sources, tmp_path, corpus):
+    """A source preprocessed to 0 rows (documents shorter than one row) was a division by zero, a traceback and exit
+    1, which a scheduler requeues; a repeating mixture sized to max_steps alone ran out early after each loss-spike
+    rollback, which skips the data since the checkpoint (END_OF_DATA before the learning rate had decayed)."""
+    from transformers import AutoTokenizer
+
+    from recipes.training.train_data import open_mixture
+
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    (tmp_path / "short.jsonl").write_text('{"text": "too short for a row"}\n')
+    preprocess(str(corpus["tokenizer"]), [str(tmp_path / "short.jsonl")], str(tmp_path / "empty"), 128, 1)
+    config = mixture_config([two_sources[0], tmp_path / "empty"])
+    config.tokenizer_name_or_path = str(corpus["tokenizer"])
+    with pytest.raises(ConfigError, match=r"train_mixture\[1\]\.path .*empty holds no rows"):
+        open_mixture(config, tokenizer, 1)
+    spikes = {
+        "loss_spike_factor": 3.0,
+        "loss_spike_action": "rollback",
+        "loss_spike_max_rollbacks": 2,
+        "save_steps": 5,
+        "mixture_exhausted": "repeat",
+    }
+    for action, steps in (("rollback", 20 + 2 * 5), ("log", 20)):  # max_steps + max_rollbacks x save_steps
+        config = mixture_config(two_sources, **{**spikes, "loss_spike_action": action})
+        config.tokenizer_name_or_path = str(corpus["tokenizer"])
+        assert len(open_mixture(config, tokenizer, 1)) == steps * config.resolved_global_batch_size(1)

@@ -215,7 +215,7 @@ def _parquet_records(path: Path, text_field: str, shard: int, num_shards: int, s
             index += rows
             continue
         try:
-            texts = parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+            texts = _row_texts(parquet.read_row_group(group, columns=[text_field]).column(0))
         except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid and ArrowIOError derive from these
             raise CorruptFileError(
                 f"{path}: row group {group} (rows {index + 1}-{index + rows}) cannot be read: {error}"
@@ -225,11 +225,34 @@ def _parquet_records(path: Path, text_field: str, shard: int, num_shards: int, s
             if line < start_line:
                 continue
             text = texts[offset]
-            if not isinstance(text, str):
+            if text is NOT_UTF8:
+                yield Record(line, None, "invalid_utf8")
+            elif not isinstance(text, str):
                 yield Record(line, None, "missing_field")
             else:
                 yield Record(line, text) if text else Record(line, None, "empty_text")
         index += len(texts)
+
+
+NOT_UTF8 = object()  # a parquet string that is not UTF-8 (Spark and parquet-mr write them unchecked)
+
+
+def _row_texts(column) -> list:
+    """The row group's texts; a row whose bytes are not UTF-8 is NOT_UTF8 (skipped and counted as invalid_utf8, as
+    a jsonl line is), where pyarrow's decoding of the whole column lost the row group and every later one."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        import pyarrow as pa
+
+        return [None if raw is None else _utf8_or_marker(raw) for raw in column.cast(pa.binary()).to_pylist()]
+
+
+def _utf8_or_marker(raw: bytes):
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return NOT_UTF8
 
 
 def check_parquet_column(path, names: list[str], text_field: str) -> None:

@@ -84,11 +84,19 @@ def open_mixture(config: PretrainConfig, tokenizer, world: int) -> MixedRows:
         by_content[content] = index
         rows = PackedRows(entry["path"])
         rows.check_matches(tokenizer, config.tokenizer_name_or_path, config.max_seq_length, f"train_mixture[{index}]")
+        if len(rows) == 0:  # a division by zero further on, a traceback and exit 1 (requeued)
+            raise ConfigError(f"train_mixture[{index}].path {entry['path']} holds no rows (its documents made less "
+                              f"than one row of {config.max_seq_length} tokens): add data, or remove it")  # fmt: skip
         sources.append(rows.shuffle(config.resolved_data_seed + index) if config.shuffle_train_rows else rows)
     global_batch = config.resolved_global_batch_size(world)
     samples_wanted = config.total_steps(world) * global_batch
     weights = [entry["weight"] for entry in config.train_mixture]
-    mixture = MixedRows(sources, weights, config.mixture_exhausted == "repeat", samples_wanted)
+    # a loss-spike rollback skips the data since the checkpoint: a repeating mixture sized to the steps alone ran
+    # out that much early, each time (END_OF_DATA before the learning rate had decayed)
+    rolls_back = config.loss_spike_factor is not None and config.loss_spike_action == "rollback"
+    rollbacks = config.loss_spike_max_rollbacks if rolls_back else 0
+    skippable = rollbacks * config.save_steps * global_batch
+    mixture = MixedRows(sources, weights, config.mixture_exhausted == "repeat", samples_wanted + skippable)
     drawn = mixture.drawn(min(samples_wanted, len(mixture)))
     for entry, rows, count in zip(config.train_mixture, sources, drawn, strict=True):
         logger.info(
