@@ -63,7 +63,7 @@ def test_tensorboard_wandb_and_mlflow_receive_the_loss_series(tmp_path, corpus, 
 
     ids = json.loads((output_dir / "trackers.json").read_text())
     (run_file,) = glob.glob(str(output_dir / "wandb" / f"offline-run-*-{ids['wandb']}" / f"run-{ids['wandb']}.wandb"))
-    wandb_losses = {h["_step"]: h["loss"] for h in wandb_history(run_file) if "loss" in h}
+    wandb_losses = {h["train/step"]: h["loss"] for h in wandb_history(run_file) if "loss" in h}
     assert wandb_losses == pytest.approx(expected, rel=1e-6)
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it to read a local file store
@@ -72,3 +72,26 @@ def test_tensorboard_wandb_and_mlflow_receive_the_loss_series(tmp_path, corpus, 
     assert {m.step: m.value for m in history} == pytest.approx(expected, rel=1e-6)
     params = client.get_run(ids["mlflow"]).data.params
     assert params["learning_rate"] == "0.003" and params["model_config.hidden_size"] == "128"
+
+
+def test_wandb_keeps_the_steps_a_rollback_or_a_resume_logs_again(tmp_path, monkeypatch):
+    """wandb ignores a step below its newest: the steps a loss-spike rollback (or the resume of a crashed launch,
+    which continues the same wandb run) logs again were lost, the spike's own record among them. The run's step is
+    a value wandb charts by now."""
+    from accelerate import PartialState
+    from accelerate.tracking import WandBTracker
+
+    from recipes.telemetry import trackers
+
+    PartialState()  # accelerate's trackers log through its state: one process here
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = WandBTracker("project", name="run", id="rollback0test", dir=str(tmp_path))
+    tracker.start()
+    trackers.chart_by_run_step(tracker.run)
+    for step, loss in ((1, 4.0), (2, 3.0), (3, 9.0), (2, 3.1), (3, 2.9)):  # a spike at 3, rolled back to 2
+        trackers.log([tracker], {"loss": loss}, step)
+    tracker.finish()
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*-rollback0test" / "run-rollback0test.wandb"))
+    logged = [(h["train/step"], h["loss"]) for h in wandb_history(run_file) if "loss" in h]
+    assert logged == [(1, 4.0), (2, 3.0), (3, 9.0), (2, 3.1), (3, 2.9)]

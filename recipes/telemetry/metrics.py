@@ -73,7 +73,9 @@ class MetricsWriter:
         if self.trackers is not None:
             numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             if numbers:
-                self.trackers.log(numbers, step=step)
+                from recipes.telemetry import trackers
+
+                trackers.log(self.trackers.trackers, numbers, step)
 
     def live(self, values: dict[str, Any]) -> None:
         """Values for the Prometheus endpoint only, not for metrics.jsonl (a state, such as benchmarks running)."""

@@ -34,7 +34,8 @@ RUN_SERIES = {
     "tokens_per_s": Series("tokens_per_second", "gauge", "tokens consumed by all ranks per second of step time"),
     "mfu": Series("model_flops_utilization_ratio", "gauge", "model FLOPs utilisation (0-1)"),
     "step_time_s": Series("step_duration_seconds", "gauge", "seconds per optimizer step, slowest rank"),
-    "num_tokens": Series("tokens", "counter", "tokens consumed by all ranks since the start of the run"),
+    # a gauge: a loss-spike rollback takes it back (a counter that falls reads as a reset to rate())
+    "num_tokens": Series("tokens_trained", "gauge", "tokens in the optimizer steps the run holds, all ranks"),
     "eval_loss": Series("eval_loss", "gauge", "validation loss"),
     "last_checkpoint_step": Series("last_checkpoint_step", "gauge", "step of the newest complete checkpoint"),
     "planned_tokens_per_s": Series("planned_tokens_per_second", "gauge", "tokens/s the planner expects of this launch"),

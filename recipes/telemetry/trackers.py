@@ -23,6 +23,7 @@ from common.files import atomic_write_text
 
 PROJECT = "llama-zero3-pretrain"
 IDS_FILE = "trackers.json"
+WANDB_STEP = "train/step"  # wandb's x axis: the run's step, logged as a value (see `log`)
 
 
 def _ids(output_dir: Path) -> dict[str, str]:
@@ -128,9 +129,27 @@ def start(accelerator, config_dict: dict[str, Any], output_dir: str | Path) -> N
     for tracker in accelerator.trackers:
         if tracker.name == "wandb":
             ids["wandb"] = tracker.run.id
+            chart_by_run_step(tracker.run)
         elif tracker.name == "mlflow":
             ids["mlflow"] = tracker.active_run.info.run_id
     atomic_write_text(output_dir / IDS_FILE, json.dumps(ids, indent=2))
+
+
+def chart_by_run_step(run) -> None:
+    """Every wandb series drawn against WANDB_STEP."""
+    run.define_metric(WANDB_STEP)
+    run.define_metric("*", step_metric=WANDB_STEP)
+
+
+def log(trackers: list, numbers: dict[str, float], step: int) -> None:
+    """`numbers` at `step` to each tracker. wandb ignores a step below its newest ("this data will be ignored"):
+    after a loss-spike rollback, and after the resume of a crashed launch (which continues the same wandb run), the
+    steps logged again were lost, the spike's record among them. wandb gets the step as a value instead."""
+    for tracker in trackers:
+        if tracker.name == "wandb":
+            tracker.log({**numbers, WANDB_STEP: step})
+        else:
+            tracker.log(numbers, step=step)
 
 
 def flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
