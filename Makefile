@@ -1,6 +1,6 @@
 # The two commands of the README. Both create .venv and install the package into it first.
-#   make demo   tiny Llama on the real 2-process DeepSpeed ZeRO-3 path, on the CPU (~5 min)
-#   make test   lint + the whole test suite on 2 pytest-xdist workers (~17 min on 2 cores: docs/testing.md)
+#   make demo   tiny Llama on the real 2-process DeepSpeed ZeRO-3 path, on the CPU (~3 min after the install)
+#   make test   lint + the test suite (all but `slow`) on 2 pytest-xdist workers (~17 min on 2 cores: docs/testing.md)
 #   make test-fast   lint + the tests that start no training launch (~2 min), before every commit
 #   make gpu-check [DRY_RUN=1]   the recipe's CUDA path measured on one GPU (docs/gpu-results.md)
 

@@ -170,6 +170,7 @@ def test_the_docs_figures_of_the_70b_plans_are_the_planners():
     assert f"These 50 steps: ~{smoke.step_time_s * 50 / 3600:.1f} h, plus ~{smoke.eval_seconds / 60:.0f} min" in readme
     one_node = plan_for(RECIPE_16, gpus=8, nodes=1)[1]
     assert f"it fits ({one_node.per_gpu_memory_gb['total']:.1f} GB per GPU" in node_failure
+    assert f"{one_node.host_memory_per_node_gb:,.0f} GB of host memory at a resume's peak" in node_failure
 
 
 def test_short_host_memory_is_a_verdict_and_a_throughput_promise_a_warning():

@@ -29,7 +29,10 @@ def choose_attn_implementation(requested: str, *, cuda_available: bool, flash_at
     if not cuda_available:
         return "sdpa", "flash_attention_2 requested but no CUDA device is visible; using sdpa"
     if not flash_attn_installed:
-        return "sdpa", "flash_attention_2 requested but flash-attn is not installed (pip install '.[gpu]'); using sdpa"
+        return "sdpa", (
+            "flash_attention_2 requested but flash-attn is not installed (the wheel built for your torch "
+            "and CUDA from flash-attn's releases, docs/training.md); using sdpa"
+        )
     return "flash_attention_2", "flash_attention_2 requested; flash-attn and CUDA are present"
 
 
