@@ -4,9 +4,10 @@ The local tasks are YAML files in `eval/tasks/` (`mmlu_local` and its 57 `mmlu_l
 `gsm8k_local`) that carry lm-eval's own MMLU and GSM8K prompts, few-shot splits and samplers, filters and metrics,
 and read their documents from a local directory through `eval/tasks/loaders.py`. The standard CLI runs them too:
 
-    lm_eval --model hf --model_args pretrained=DIR --include_path eval/tasks --tasks mmlu_local,gsm8k_local \
-        --metadata '{"mmlu_dir": "/data/eval/mmlu", "gsm8k_dir": "/data/eval/gsm8k"}'
+    lm_eval --model hf --model_args pretrained=DIR,add_bos_token=False --include_path eval/tasks \
+        --tasks mmlu_local,gsm8k_local --metadata '{"mmlu_dir": "/data/eval/mmlu", "gsm8k_dir": "/data/eval/gsm8k"}'
 
+(`add_bos_token=False`: training never puts a BOS token before a document, see `eval.timed_lm.ADD_BOS_TOKEN`.)
 With no local directory, lm-eval's stock hub tasks (`mmlu`, `gsm8k`) are used, which needs the network.
 """
 
@@ -17,14 +18,15 @@ import copy
 import dataclasses
 import functools
 import logging
-import time
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.files import atomic_write_text
 from data_prep.benchmark_files.layouts import mmlu_layout
-from eval.agreement import EvaluationStopped, FailedOnAnotherRank, stopping_on_signal
+from eval.agreement import EvaluationStopped, FailedOnAnotherRank
+from eval.timed_lm import ADD_BOS_TOKEN, PromptLengths, timed_lm_class
 
 logger = logging.getLogger("eval")
 SUPPORTED_TASKS = ("mmlu", "gsm8k")
@@ -35,7 +37,21 @@ MMLU_SUBJECTS = tuple(sorted(p.stem[len("mmlu_local_") :] for p in TASKS_DIR.glo
 # What the user calls each BenchmarkSettings field: eval.run's flags; the training recipe passes its keys.
 HFLM_MAX_GEN_TOKS = 256  # lm-eval's HF model's answer budget when none is given
 FLAG_NAMES = {"tasks": "--tasks", "limit": "--limit", "num_fewshot": "--num-fewshot", "batch_size": "--batch-size",
-              "max_gen_toks": "--max-gen-toks", "mmlu_dir": "--mmlu-dir"}  # fmt: skip
+              "max_gen_toks": "--max-gen-toks", "mmlu_dir": "--mmlu-dir", "gsm8k_dir": "--gsm8k-dir"}  # fmt: skip
+# The variables that keep huggingface_hub and datasets off the network, and the values they read as set
+OFFLINE_VARIABLES, OFFLINE_VALUES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"), {"1", "ON", "YES", "TRUE"}
+HUB_DATASETS = {"mmlu": "cais/mmlu", "gsm8k": "openai/gsm8k"}  # lm-eval's stock tasks' dataset_path
+
+
+def hub_copy_cached(task: str) -> bool:
+    """Whether the hub dataset of `task` is in this machine's Hugging Face cache (hub snapshots, or `datasets`'
+    prepared copies), which offline mode reads: a cluster that cached it on a login node may set HF_HUB_OFFLINE."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    owner, name = HUB_DATASETS[task].split("/")
+    return (Path(huggingface_hub.constants.HF_HUB_CACHE) / f"datasets--{owner}--{name}").is_dir() or (
+        Path(datasets.config.HF_DATASETS_CACHE) / f"{owner}___{name}").is_dir()  # fmt: skip
 
 
 @dataclass
@@ -63,11 +79,9 @@ class BenchmarkSettings:
             mmlu_split_rows,
         )
 
-        names = {**FLAG_NAMES, **(names or {})}
-        unknown = [task for task in self.tasks if task not in SUPPORTED_TASKS]
-        if unknown:
-            supported = list(SUPPORTED_TASKS)
-            raise ValueError(f"{names['tasks']}: {unknown} unknown; supported: {supported} (or [] for none)")
+        # a caller's names (the recipe's keys) replace the flags; a field it leaves out goes by its own name
+        names = dict(FLAG_NAMES) if names is None else {**{field: field for field in FLAG_NAMES}, **names}
+        self._check_tasks(names, recipe=names["tasks"] != FLAG_NAMES["tasks"])
         for key, low in (("limit", 1), ("batch_size", 1), ("num_fewshot", 0), ("max_gen_toks", 1)):
             value = getattr(self, key)
             if value is not None and value < low:
@@ -98,6 +112,24 @@ class BenchmarkSettings:
                                  "can precede a question")  # fmt: skip
         return warnings
 
+    def _check_tasks(self, names: dict[str, str], recipe: bool) -> None:
+        """At least one task, each known, and a hub task only where the hub can be reached: offline, `datasets`
+        raised a ConnectionError only after the model had loaded (a traceback; on a run's rank 0 at start-up)."""
+        supported = list(SUPPORTED_TASKS)
+        if not self.tasks:  # a recipe's empty list turns the benchmarks off before any check
+            raise ValueError(f"{names['tasks']}: no task given; supported: {supported}, comma-separated")
+        unknown = [task for task in self.tasks if task not in SUPPORTED_TASKS]
+        if unknown:
+            none = " (or [] for none)" if recipe else ""  # only a recipe's list may be empty
+            raise ValueError(f"{names['tasks']}: {unknown} unknown; supported: {supported}{none}")
+        offline = [name for name in OFFLINE_VARIABLES if os.environ.get(name, "").strip().upper() in OFFLINE_VALUES]
+        for task, field in (("mmlu", "mmlu_dir"), ("gsm8k", "gsm8k_dir")):
+            if offline and task in self.tasks and not getattr(self, field) and not hub_copy_cached(task):
+                raise ValueError(f"{names[field]}: not set, so {task} would be read from the Hugging Face hub "
+                                 f"({HUB_DATASETS[task]}, not in this machine's cache), but {offline[0]}="
+                                 f"{os.environ[offline[0]]} keeps this process off the network: set {names[field]} to "
+                                 f"a local copy of {task}, or leave {offline[0]} unset")  # fmt: skip
+
     def metadata(self) -> dict[str, str | bool]:
         """What the local tasks' loaders read (lm-eval's `--metadata`); `raise_errors`: exceptions, not an exit."""
         given = {key: value for key, value in (("mmlu_dir", self.mmlu_dir), ("gsm8k_dir", self.gsm8k_dir)) if value}
@@ -124,46 +156,6 @@ def known_mmlu_subjects(splits: dict[str, dict], where: str) -> tuple[dict[str, 
     )
 
 
-@dataclass
-class PromptLengths:
-    """Benchmark prompts against the model's positions: lm-eval cuts a longer one from the left, without failing, so
-    the score is then on a prompt the model never saw whole. A scoring prompt (MMLU's) may hold `max_length` + 1
-    tokens (the last is predicted, not fed); a generation's context leaves room for its `max_gen_toks`."""
-
-    max_length: int
-    prompts: int = 0
-    truncated: int = 0
-    longest_tokens: int = 0  # of any prompt, counted as lm-eval's HF model counts it
-    most_over: int = 0  # the most tokens any prompt holds beyond what it may: positions to add so none is cut
-
-    def add(self, tokens: int, allowed: int) -> None:
-        self.prompts += 1
-        self.truncated += tokens > allowed
-        self.longest_tokens = max(self.longest_tokens, tokens)
-        self.most_over = max(self.most_over, tokens - allowed)
-
-    def summed_over_ranks(self, device) -> PromptLengths:
-        """Every rank's counts together (a collective: every rank calls it)."""
-        import torch
-        import torch.distributed as dist
-
-        counts = torch.tensor([self.prompts, self.truncated], dtype=torch.int64, device=device)
-        largest = torch.tensor([self.longest_tokens, self.most_over], dtype=torch.int64, device=device)
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        return PromptLengths(self.max_length, *(int(value) for value in (*counts, *largest)))
-
-    def warning(self, where: str) -> str | None:
-        """The line that says prompts were cut (None: none was)."""
-        if not self.truncated:
-            return None
-        return (
-            f"{where}: {self.truncated:,} of {self.prompts:,} benchmark prompts are longer than the model's "
-            f"{self.max_length:,} positions (max_position_embeddings; the longest holds {self.longest_tokens:,} "
-            "tokens), and lm-eval cuts them from the left: their scores are on prompts the model never sees whole"
-        )
-
-
 def task_names(settings: BenchmarkSettings) -> list[str]:
     """lm-eval task names: the local group when every MMLU subject is there, else the subjects present (their
     weighted accuracy is computed as the group would, see `headline_scores`); hub tasks without a directory."""
@@ -183,7 +175,9 @@ def task_manager(metadata: tuple[tuple[str, str], ...], hub: bool):
     """lm-eval's task index over `eval/tasks` (and its own tasks only when a hub task is asked for: indexing all
     ~27k of them costs ~8 s). It keeps the tasks it loaded: an evaluation every 1,000 steps of a run reuses them,
     their documents read and checked once (loading MMLU's 57 subjects and GSM8K costs ~1 s each time otherwise);
-    lm-eval resets their few-shot seed and rebuilds their requests at every evaluation."""
+    lm-eval resets their few-shot seed and rebuilds their requests at every evaluation. What an evaluation writes into
+    a kept task's config (`num_fewshot`, the generation's `max_gen_toks`) is undone before the next one gets it: a
+    0-shot call made every later 5-shot call 0-shot (lm-eval keeps a config's 0), and a budget stayed for good."""
     from lm_eval.tasks import TaskManager
 
     class KeepingTaskManager(TaskManager):
@@ -197,9 +191,23 @@ def task_manager(metadata: tuple[tuple[str, str], ...], hub: bool):
             key = tuple(task_list)
             if key not in self.loaded:
                 self.loaded[key] = super().load(list(task_list))
+            for task in self.loaded[key]["tasks"].values():
+                _as_loaded(task)
             return self.loaded[key]
 
     return KeepingTaskManager(include_path=str(TASKS_DIR), include_defaults=hub, metadata=dict(metadata))
+
+
+# The fields of a task's config that lm-eval's simple_evaluate writes at each call (set_config)
+CALL_CONFIG = ("num_fewshot", "generation_kwargs")
+
+
+def _as_loaded(task) -> None:
+    """`task`'s CALL_CONFIG put back to what it held when it was loaded (kept on the task at its first use)."""
+    loaded = task.__dict__.setdefault("_config_as_loaded", {
+        field: copy.deepcopy(getattr(task.config, field, None)) for field in CALL_CONFIG})  # fmt: skip
+    for field, value in loaded.items():
+        setattr(task.config, field, copy.deepcopy(value))  # a copy: set_config updates generation_kwargs in place
 
 
 def evaluate(model, tokenizer, settings: BenchmarkSettings, *, rank: int = 0, world_size: int = 1,
@@ -224,7 +232,7 @@ def evaluate(model, tokenizer, settings: BenchmarkSettings, *, rank: int = 0, wo
     # a copy: lm-eval gives a tokenizer without a pad token one (unk or eos) in place, and the run exports its own
     tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None and not isinstance(tokenizer, str) else tokenizer
     lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, stop_requested=stop_requested,
-                  **model_args)  # fmt: skip
+                  add_bos_token=ADD_BOS_TOKEN, **model_args)  # fmt: skip
     if world_size > 1:
         sharding = same_prompts_as_one_rank(rank, world_size, lm.stand_in_tasks)
     gen_kwargs = {"max_gen_toks": settings.max_gen_toks} if settings.max_gen_toks is not None else None
@@ -277,7 +285,8 @@ def measure_prompts(settings: BenchmarkSettings, tokenizer, max_length: int) -> 
 
     def token_counts(texts: list[str]) -> dict[str, int]:
         unique = sorted(set(texts))
-        encoded = tokenizer(unique, add_special_tokens=False)["input_ids"] if unique else []
+        # as the evaluation's model encodes them (eval.timed_lm.ADD_BOS_TOKEN: no BOS, as in training)
+        encoded = tokenizer(unique, add_special_tokens=ADD_BOS_TOKEN)["input_ids"] if unique else []
         return {text: len(ids) for text, ids in zip(unique, encoded, strict=True)}
 
     class CountingLM(LM):
@@ -308,73 +317,6 @@ def measure_prompts(settings: BenchmarkSettings, tokenizer, max_length: int) -> 
         bootstrap_iters=0, verbosity="ERROR",
     )  # fmt: skip
     return lengths
-
-
-class TimedLM:
-    """Mixed into lm-eval's HFLM (`timed_lm_class`): times its two request types, `loglikelihood_s` (MMLU's scoring)
-    and `generate_until_s` (GSM8K's answers), with the number of requests of each; counts the prompts' lengths; and
-    asks `stop_requested` before every forward pass and generation, so that a stop signal ends an evaluation within
-    one of them (`EvaluationStopped`)."""
-
-    def __init__(self, *args, stop_requested=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.stop_requested = stop_requested
-        self.timings = {"loglikelihood_s": 0.0, "loglikelihood_requests": 0, "generate_until_s": 0.0,
-                        "generate_until_requests": 0}  # fmt: skip
-        self.prompt_lengths = PromptLengths(self.max_length)
-
-    def _loglikelihood_tokens(self, requests, *args, **kwargs):
-        for _, context, continuation in requests:  # what HFLM cuts: beyond max_length + 1 tokens
-            self.prompt_lengths.add(len(context) + len(continuation), self.max_length + 1)
-        return super()._loglikelihood_tokens(requests, *args, **kwargs)
-
-    def _agreed(self, flag: bool) -> bool:
-        return flag  # one process: its own answer (the sharded LM asks every rank)
-
-    def _stop_if_requested(self) -> None:
-        if self.stop_requested is not None and self._agreed(bool(self.stop_requested())):
-            raise EvaluationStopped("a stop signal arrived during the evaluation")
-
-    def _model_call(self, *args, **kwargs):
-        self._stop_if_requested()
-        return super()._model_call(*args, **kwargs)
-
-    def _model_generate(self, *args, **kwargs):
-        if self.stop_requested is None:
-            return super()._model_generate(*args, **kwargs)
-        self._stop_if_requested()
-        with stopping_on_signal(self.stop_requested):
-            generated = super()._model_generate(*args, **kwargs)
-        self._stop_if_requested()  # a cut answer is never scored: every rank stops here
-        return generated
-
-    def _timed(self, kind: str, method, requests, **kwargs):
-        started = time.perf_counter()
-        try:
-            return method(requests, **kwargs)
-        finally:
-            self.timings[f"{kind}_s"] += time.perf_counter() - started
-            self.timings[f"{kind}_requests"] += len(requests)
-
-    def loglikelihood(self, requests, **kwargs):
-        return self._timed("loglikelihood", super().loglikelihood, requests, **kwargs)
-
-    def generate_until(self, requests, **kwargs):
-        from lm_eval.models.utils import normalize_gen_kwargs
-
-        for request in requests:  # what HFLM cuts: a context beyond max_length - max_gen_toks
-            context, gen_kwargs = request.args
-            budget = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)["max_gen_toks"]
-            self.prompt_lengths.add(len(self.tok_encode(context)), self.max_length - budget)
-        return self._timed("generate_until", super().generate_until, requests, **kwargs)
-
-
-@functools.cache
-def timed_lm_class():
-    """lm-eval's HFLM with `TimedLM`."""
-    from lm_eval.models.huggingface import HFLM
-
-    return type("TimedHFLM", (TimedLM, HFLM), {})
 
 
 def jsonable(value):
@@ -434,7 +376,6 @@ def write_samples(samples: dict, path: str | Path) -> None:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        for task, records in sorted(samples.items()):
-            for record in sorted(records, key=lambda r: (r["doc_id"], r.get("filter", ""))):
-                handle.write(json.dumps({"task": task, **jsonable(record)}) + "\n")
+    lines = [json.dumps({"task": task, **jsonable(record)}) + "\n" for task, records in sorted(samples.items())
+             for record in sorted(records, key=lambda r: (r["doc_id"], r.get("filter", "")))]  # fmt: skip
+    atomic_write_text(path, "".join(lines))  # a kill or a full disk leaves the old file or the new, never a part

@@ -7,7 +7,8 @@
 The model directory (e.g. `final/` or a `python -m recipes.export` output) goes to lm-eval by path, so lm-eval's
 own loading applies: `--device cuda --dtype bfloat16` for one GPU, `--parallelize` to shard a 70B model over every
 GPU of the node (`device_map="auto"`). Writes lm-eval's results JSON (`results`, `n-samples`, `configs`, ...) and
-prints its table. Without --mmlu-dir / --gsm8k-dir the stock hub tasks are used, which needs the network.
+prints its table. Without --mmlu-dir / --gsm8k-dir the stock hub tasks are used, which needs the network (refused
+while HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set).
 
 Exit codes (docs/run-safety.md): 0 done; 2 bad input, one line, before the model is loaded; 4 a full disk (the
 results file, or a cache written on the way): make room, then the same command evaluates again.

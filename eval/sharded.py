@@ -146,7 +146,8 @@ def same_prompts_as_one_rank(rank: int, world_size: int, stand_in_tasks: set[str
 
     def build_all_requests(self, **kwargs):
         settings = {key: value for key, value in kwargs.items() if key not in ("rank", "world_size")}
-        key = (self.config.num_fewshot, repr(sorted(settings.items())))
+        # the call's config too: a GSM8K request carries its generation_kwargs (max_gen_toks)
+        key = (self.config.num_fewshot, repr(self.config.generation_kwargs), repr(sorted(settings.items())))
         kept = self.__dict__.setdefault("_one_rank_requests", {})
         if key not in kept:
             original_build(self, **settings, rank=0, world_size=1)

@@ -20,6 +20,14 @@ from eval.in_loop import capture_rng_state, run_benchmarks
 from eval.run import main as run_main
 
 
+@pytest.fixture(autouse=True)
+def online(monkeypatch):
+    """The checks refuse hub tasks offline; data_prep's cleaning CLI sets HF_HUB_OFFLINE when a test imports it, for
+    the rest of the test process. Tests that ask for offline set it themselves."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return fixtures.write(tmp_path_factory.mktemp("eval_data"))
@@ -243,13 +251,14 @@ def test_lm_evals_cli_and_eval_run_give_identical_scores(tmp_path, data, tiny_mo
 
     metadata = json.dumps({"mmlu_dir": str(data["mmlu_csv"]), "gsm8k_dir": str(data["gsm8k_jsonl"])})
     tasks = ",".join([*(f"mmlu_local_{s}" for s in fixtures.SUBJECTS), "gsm8k_local"])
-    model_args = f"pretrained={tiny_model_dir},dtype=float32"
+    model_args = f"pretrained={tiny_model_dir},dtype=float32,add_bos_token=False"
     cli = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args,
            "--include_path", str(Path("eval/tasks").resolve()), "--tasks", tasks, "--metadata", metadata,
            "--limit", "3", "--batch_size", "8", "--device", "cpu",
            "--gen_kwargs", "max_gen_toks=16", "--output_path", str(tmp_path / "cli")]  # fmt: skip
     documented = (Path(__file__).parent.parent / "docs/benchmarks.md").read_text()
     assert "--tasks mmlu_local,gsm8k_local --output_path " in documented, "the documented line saves its results"
+    assert "parallelize=True,add_bos_token=False" in documented, "no BOS, as eval.run and training"
     completed = subprocess.run(cli, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
     assert completed.returncode == 0, completed.stderr[-3000:]
     (cli_file,) = (tmp_path / "cli").rglob("results_*.json")
@@ -417,6 +426,7 @@ def test_lm_evals_cli_names_a_bad_directory_in_one_line(tmp_path):
            "--tasks", "mmlu_local_anatomy", "--metadata", metadata, "--limit", "1"]  # fmt: skip
     documented = (Path(__file__).parent.parent / "docs/benchmarks.md").read_text()
     assert "--tasks mmlu_local,gsm8k_local --output_path " in documented, "the documented line saves its results"
+    assert "parallelize=True,add_bos_token=False" in documented, "no BOS, as eval.run and training"
     completed = subprocess.run(cli, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
     assert completed.returncode != 0
     assert (
@@ -580,3 +590,143 @@ def test_a_hub_snapshots_split_must_be_one_complete_set_of_shards(tmp_path, data
             load_gsm8k(tmp_path / "gsm8k")
     else:
         assert len(load_gsm8k(tmp_path / "gsm8k")["test"]) == len(names) * table.num_rows
+
+
+def test_benchmark_prompts_get_no_bos_token_as_training_never_fed_one(data, corpus):
+    """lm-eval's HF model let a BOS-adding tokenizer (Llama's) put BOS before every prompt, a token training never
+    feeds (documents are tokenized without special tokens, EOS between them); and preflight's measure of the prompts
+    was then one token short of what the evaluation fed. Now neither the scored nor the generated prompts start with
+    it, and the evaluation counts the prompts as preflight does."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from eval.harness import measure_prompts
+
+    bpe = Tokenizer.from_file(str(corpus["tokenizer"] / "tokenizer.json"))
+    bpe.add_special_tokens(["<s>"])
+    bos = bpe.token_to_id("<s>")
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    base = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token=base.eos_token,
+                                        pad_token=base.pad_token)  # fmt: skip
+    assert tokenizer("Answer:")["input_ids"][0] == bos, "the tokenizer adds BOS by default"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id,
+                                         pad_token_id=tokenizer.pad_token_id)).eval()  # fmt: skip
+    first_tokens = []
+
+    def record(module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        if ids.shape[1] > 1:  # a prompt, not a generated token fed back
+            first_tokens.extend(ids[:, 0].tolist())
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    settings = BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_csv"]), str(data["gsm8k_jsonl"]), limit=2,
+                                 batch_size=1, max_gen_toks=2)  # fmt: skip
+    results = evaluate(model, tokenizer, settings)
+    assert first_tokens and bos not in first_tokens, "no prompt starts with BOS"
+    assert results["timings"]["generate_until_requests"] > 0 and results["timings"]["loglikelihood_requests"] > 0
+    measured = measure_prompts(settings, tokenizer, 1024)
+    assert results["prompt_lengths"]["longest_tokens"] == measured.longest_tokens
+
+
+def test_one_process_keeps_no_few_shot_count_or_answer_budget_of_an_earlier_evaluation(data, corpus):
+    """The kept tasks held what an evaluation wrote into their config: after a 0-shot evaluation every later one was
+    0-shot (lm-eval keeps a config's 0), and an answer budget stayed. The ranks' kept requests (`eval.sharded`) were
+    keyed by the few-shot count only, so an earlier budget came back with them."""
+    from eval.harness import measure_prompts
+    from eval.sharded import same_prompts_as_one_rank
+
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+
+    def settings(num_fewshot: int = 5, max_gen_toks: int | None = None) -> BenchmarkSettings:
+        return BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_csv"]), str(data["gsm8k_jsonl"]), limit=4,
+                                 num_fewshot=num_fewshot, max_gen_toks=max_gen_toks)  # fmt: skip
+
+    five, zero, again = (measure_prompts(settings(shots), tokenizer, 4096).longest_tokens for shots in (5, 0, 5))
+    assert zero < five == again
+    cut = measure_prompts(settings(max_gen_toks=4000), tokenizer, 4096)
+    assert cut.truncated > 0, "a budget of 4000 leaves 96 of 4096 positions to a prompt"
+    assert measure_prompts(settings(), tokenizer, 4096).truncated == 0, "lm-eval's own 256 again"
+    manager = task_manager(tuple(sorted(settings().metadata().items())), False)
+    budgets = []
+    with same_prompts_as_one_rank(0, 2, set()):  # as rank 0 of 2 builds its requests, kept on the task
+        for budget in (4000, None):
+            gsm8k = manager.load(["gsm8k_local"])["tasks"]["gsm8k_local"]
+            if budget:  # as lm-eval's simple_evaluate writes it
+                gsm8k.set_config(key="generation_kwargs", value={"max_gen_toks": budget}, update=True)
+            gsm8k.build_all_requests(limit=4, rank=0, world_size=2)
+            budgets.append({request.args[1].get("max_gen_toks") for request in gsm8k.instances})
+    assert budgets == [{4000}, {None}]
+
+
+def test_an_empty_task_list_and_hub_tasks_offline_are_refused_in_one_line(tmp_path, data, tiny_model_dir, capsys,
+                                                                           monkeypatch):  # fmt: skip
+    """`--tasks ""` passed the checks and failed with a traceback after the model had loaded; so did a hub task
+    offline (datasets' ConnectionError; the recipe's start-up too, on rank 0). Refused now before any model, in one
+    line that names the flag or key; "[] for none" is only the recipe's to say."""
+    from recipes.training.startup import RECIPE_KEYS
+
+    output = ["--output", str(tmp_path / "r.json")]
+    for tasks in ("", ",", " , "):
+        assert run_main(["--model", str(tiny_model_dir), "--tasks", tasks, *output]) == 2
+        said = capsys.readouterr().err
+        assert said.count("\n") == 1 and "--tasks: no task given; supported: ['mmlu', 'gsm8k']" in said, said
+    with pytest.raises(ValueError) as refused:
+        BenchmarkSettings(["hellaswag"]).check()
+    assert str(refused.value) == "--tasks: ['hellaswag'] unknown; supported: ['mmlu', 'gsm8k']"
+    with pytest.raises(ValueError, match=r"^eval_tasks: \['hellaswag'\] unknown; .* \(or \[\] for none\)$"):
+        BenchmarkSettings(["hellaswag"]).check(RECIPE_KEYS)
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = run_main(["--model", str(tiny_model_dir), "--gsm8k-dir", str(data["gsm8k_jsonl"]), *output])
+    said = capsys.readouterr().err
+    assert code == 2 and said.count("\n") == 1 and "--mmlu-dir: not set, so mmlu would be read from the Hugging Face " \
+        "hub (cais/mmlu, not in this machine's cache), but HF_HUB_OFFLINE=1 keeps this process off the network" \
+        in said, said  # fmt: skip
+    (tmp_path / "hub" / "datasets--cais--mmlu").mkdir(parents=True)  # cached on a login node: offline mode reads it
+    BenchmarkSettings(["mmlu"]).check()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "true")
+    with pytest.raises(ValueError, match=r"^gsm8k_dir: not set, so gsm8k .* HF_DATASETS_OFFLINE=true .* set gsm8k_dir"):
+        BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_csv"])).check(RECIPE_KEYS)
+    BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_csv"]), str(data["gsm8k_jsonl"])).check(RECIPE_KEYS)
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_failure_writing_the_samples_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
+    """The samples file was opened for writing in place: a full disk or a kill part-way left it cut."""
+    from eval.harness import write_samples
+
+    path = tmp_path / "step-1-samples.jsonl"
+    records = {"gsm8k_local": [{"doc_id": 0, "filter": "strict-match"}, {"doc_id": 1, "filter": "strict-match"}]}
+    write_samples(records, path)
+    before = path.read_text()
+    assert len(before.splitlines()) == 2
+    dumps = json.dumps
+
+    def full_disk_on_the_second(value, *args, **kwargs):
+        if value.get("doc_id") == 1:
+            raise OSError(28, "No space left on device")
+        return dumps(value, *args, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", full_disk_on_the_second)
+    with pytest.raises(OSError):
+        write_samples(records, path)
+    assert path.read_text() == before
+
+
+def test_a_gsm8k_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    """A latin-1 byte let Python's UnicodeDecodeError out, naming neither the file nor the line."""
+    good = json.dumps({"question": "q", "answer": "so #### 4"}) + "\n"
+    (tmp_path / "train.jsonl").write_text(good)
+    (tmp_path / "test.jsonl").write_bytes(good.encode() * 2 + b'{"question": "caf\xe9", "answer": "so #### 4"}\n')
+    with pytest.raises(BenchmarkDataError) as refused:
+        check_gsm8k(tmp_path)
+    assert str(refused.value) == f"{tmp_path / 'test.jsonl'}:3: not UTF-8 (byte 17 of the line); save it as UTF-8"

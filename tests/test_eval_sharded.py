@@ -2,11 +2,13 @@
 same prompts, and pad their forward passes to equal counts."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from eval import fixtures
 from tests.conftest import LAUNCH_ENV, REPO, TINY_RECIPE, launch
+from tests.gloo_ranks import on_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -97,3 +99,59 @@ def test_a_failure_on_one_rank_is_logged_and_every_rank_goes_on(tmp_path, traine
     assert "gsm8k/exact_match_strict" in ranks[0]["scores"] and ranks[0]["scores"] == ranks[1]["scores"]
     stderr = (output / "stderr.txt").read_text()
     assert stderr.count("benchmarks failed on rank(s) 1, training continues: ValueError: a document this rank") == 1
+
+
+def _fail_on_rank_1s_second_request(rank: int, model_dir: str, mmlu_dir: str, workdir: str) -> None:
+    """One rank of `test_a_failure_without_a_stop_callback_meets_the_other_rank_at_its_next_forward`."""
+    import torch
+    import torch.distributed as dist
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eval.agreement import FailedOnAnotherRank
+    from eval.harness import BenchmarkSettings, evaluate
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # a stand-in for ZeRO-3: every forward pass is a collective (its gather of the sharded weights)
+    model.register_forward_pre_hook(lambda module, args: dist.all_reduce(torch.ones(4096)))
+    select, requests = HFLM._select_cont_toks, [0]
+
+    def failing(self, *args, **kwargs):  # after rank 1's first forward: a document its scoring cannot take
+        requests[0] += 1
+        if rank == 1 and requests[0] == 2:
+            raise RuntimeError("rank 1 cannot take this document")
+        return select(self, *args, **kwargs)
+
+    HFLM._select_cont_toks = failing  # this spawned process's own class
+    settings = BenchmarkSettings(["mmlu"], mmlu_dir, limit=4, batch_size=1)
+    try:
+        evaluate(model, tokenizer, settings, rank=rank, world_size=2, stop_requested=None)
+        outcome = "finished"
+    except FailedOnAnotherRank:
+        outcome = "FailedOnAnotherRank"
+    except RuntimeError as error:
+        outcome = f"RuntimeError: {error}"
+    (Path(workdir) / f"rank-{rank}.txt").write_text(outcome)
+
+
+def test_a_failure_without_a_stop_callback_meets_the_other_rank_at_its_next_forward(tmp_path, corpus):
+    """Only with a `stop_requested` did the ranks agree before each forward pass: without one, a rank that failed
+    announced it while the other rank was in its next forward's weight gather, a collective of another size (gloo
+    aborted the process; NCCL hangs until the watchdog). Now they always agree first: the failed rank raises its
+    error, the other leaves with `FailedOnAnotherRank`, and both end cleanly."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                     ).save_pretrained(tmp_path / "model")  # fmt: skip
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = fixtures.write(tmp_path / "eval_data", test_per_subject=4, gsm8k_test=2)
+    on_ranks(_fail_on_rank_1s_second_request, 2, tmp_path / "ranks", str(tmp_path / "model"), str(data["mmlu_csv"]),
+             str(tmp_path), timeout_s=60)  # fmt: skip
+    outcomes = [(tmp_path / f"rank-{rank}.txt").read_text() for rank in (0, 1)]
+    assert outcomes == ["FailedOnAnotherRank", "RuntimeError: rank 1 cannot take this document"]

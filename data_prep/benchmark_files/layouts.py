@@ -190,21 +190,37 @@ def _gsm8k_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise BenchmarkDataError(f"GSM8K: {path} is missing (the release layout has test.jsonl and train.jsonl)")
     rows = []
-    with open(path, encoding="utf-8-sig", errors="strict") as handle:
-        for line, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError:
-                raise BenchmarkDataError(f"{path}:{line}: not valid JSON") from None
-            problem = _gsm8k_problem(record)
-            if problem:
-                raise BenchmarkDataError(f"{path}:{line}: {problem}")
-            rows.append({"question": record["question"], "answer": record["answer"]})
+    try:
+        with open(path, encoding="utf-8-sig", errors="strict") as handle:
+            for line, text in enumerate(handle, start=1):
+                if not text.strip():
+                    continue
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError:
+                    raise BenchmarkDataError(f"{path}:{line}: not valid JSON") from None
+                problem = _gsm8k_problem(record)
+                if problem:
+                    raise BenchmarkDataError(f"{path}:{line}: {problem}")
+                rows.append({"question": record["question"], "answer": record["answer"]})
+    except UnicodeDecodeError:
+        line, byte = _first_undecodable_line(path)
+        raise BenchmarkDataError(f"{path}:{line}: not UTF-8 (byte {byte} of the line); save it as UTF-8") from None
     if not rows:
         raise BenchmarkDataError(f"{path} holds no problems: GSM8K needs test problems and few-shot (train) examples")
     return rows
+
+
+def _first_undecodable_line(path: Path) -> tuple[int, int]:
+    """The line (from 1) and byte in it (from 0) where `path` stops being UTF-8: text-mode reading decodes in
+    blocks, so its error says neither. A newline byte never occurs inside a UTF-8 character, so lines decode alone."""
+    with open(path, "rb") as handle:
+        for line, raw in enumerate(handle, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return line, error.start
+    return 0, 0  # not reached: the text-mode read failed on one of these lines
 
 
 def load_gsm8k(directory: str | Path, **_) -> dict[str, list[dict]]:
