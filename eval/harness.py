@@ -273,15 +273,17 @@ def _announcing_failure(lm):
         raise
 
 
-def measure_prompts(settings: BenchmarkSettings, tokenizer, max_length: int) -> PromptLengths:
+def measure_prompts(settings: BenchmarkSettings, tokenizer, max_length: int,
+                    trained_length: int | None = None) -> PromptLengths:  # fmt: skip
     """The configured tasks' prompts, exactly as an evaluation builds them (lm-eval's own request building, through
-    a stand-in model that only counts tokens), against `max_length` positions. No model, a few seconds; the whole
-    of MMLU and GSM8K take about a minute on one core."""
+    a stand-in model that only counts tokens), against `max_length` positions (and `trained_length`, the rows the
+    model trains on, when given). No model, a few seconds; the whole of MMLU and GSM8K take about a minute on one
+    core."""
     import lm_eval
     from lm_eval.api.model import LM
     from lm_eval.models.utils import normalize_gen_kwargs
 
-    lengths = PromptLengths(max_length)
+    lengths = PromptLengths(max_length, trained_length=trained_length)
 
     def token_counts(texts: list[str]) -> dict[str, int]:
         unique = sorted(set(texts))

@@ -26,12 +26,18 @@ class PromptLengths:
     truncated: int = 0
     longest_tokens: int = 0  # of any prompt, counted as lm-eval's HF model counts it
     most_over: int = 0  # the most tokens any prompt holds beyond what it may: positions to add so none is cut
+    # the rows the model was trained on (max_seq_length), when shorter than its positions: prompts past it are not
+    # cut, but run at positions training never reached (the 70B recipes: 2,048 of 4,096; 5-shot MMLU reaches ~2.9k)
+    trained_length: int | None = None
+    beyond_trained: int = 0
 
     def add(self, tokens: int, allowed: int) -> None:
         self.prompts += 1
         self.truncated += tokens > allowed
         self.longest_tokens = max(self.longest_tokens, tokens)
         self.most_over = max(self.most_over, tokens - allowed)
+        if self.trained_length is not None:
+            self.beyond_trained += tokens > allowed - (self.max_length - self.trained_length)
 
     def summed_over_ranks(self, device) -> PromptLengths:
         """Every rank's counts together (a collective: every rank calls it)."""
@@ -43,6 +49,17 @@ class PromptLengths:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
         return PromptLengths(self.max_length, *(int(value) for value in (*counts, *largest)))
+
+    def untrained_warning(self, where: str) -> str | None:
+        """The line that says prompts reach past the trained length (None: none does, or it was not asked)."""
+        if not self.beyond_trained:
+            return None
+        return (
+            f"{where}: {self.beyond_trained:,} of {self.prompts:,} benchmark prompts run past max_seq_length "
+            f"{self.trained_length:,} (the longest holds {self.longest_tokens:,} tokens): their last tokens sit at "
+            "positions training never reached, and their scores say how the model extrapolates; lower "
+            "eval_num_fewshot to keep them within it"
+        )
 
     def warning(self, where: str) -> str | None:
         """The line that says prompts were cut (None: none was)."""

@@ -508,6 +508,14 @@ def test_prompts_longer_than_the_positions_are_measured_before_the_run_and_count
         assert "benchmarks: " in caplog.text and "lm-eval cuts them" in caplog.text
         check_prompt_lengths(settings, tokenizer, positions + measured.most_over, strict=True)
     assert measure_prompts(settings, tokenizer, positions + measured.most_over).truncated == 0
+    # trained on shorter rows than its positions (the 70B recipes: 2,048 of 4,096): not cut, but said at start
+    trained = roomy.longest_tokens // 2
+    past = measure_prompts(settings, tokenizer, 4096, trained)
+    assert 0 < past.beyond_trained < past.prompts and past.truncated == 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pretrain"):
+        check_prompt_lengths(settings, tokenizer, 4096, strict=True, trained=trained)
+    assert f"{past.beyond_trained} of {past.prompts} benchmark prompts run past max_seq_length {trained:,}" in caplog.text
 
 
 def test_a_launch_that_ended_during_the_benchmarks_skips_them_once_at_that_step(tmp_path, monkeypatch):

@@ -207,7 +207,9 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         log_on_main(accelerator, benchmarks.check(RECIPE_KEYS, model_config.max_position_embeddings))
         logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
         positions, strict = model_config.max_position_embeddings, config.preflight_strict
-        on_main_process(lambda: check_prompt_lengths(benchmarks, tokenizer, positions, strict), catch=(ConfigError,))
+        trained = config.max_seq_length if config.max_seq_length < positions else None
+        on_main_process(lambda: check_prompt_lengths(benchmarks, tokenizer, positions, strict, trained),
+                        catch=(ConfigError,))  # fmt: skip
     slow_bf16 = bf16_emulation_warning(config.bf16, torch.cuda.is_available(), cpu_has_native_bf16())
     if slow_bf16:
         logger.warning(slow_bf16)
@@ -233,19 +235,24 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
                      plan_predictions(plan), pin)  # fmt: skip
 
 
-def check_prompt_lengths(benchmarks: BenchmarkSettings, tokenizer, positions: int, strict: bool) -> None:
+def check_prompt_lengths(benchmarks: BenchmarkSettings, tokenizer, positions: int, strict: bool,
+                         trained: int | None = None) -> None:  # fmt: skip
     """The configured benchmarks' prompts against the model's positions: a prompt longer than them is cut from the
-    left by lm-eval, silently, for the whole run; refused under preflight_strict, else a warning."""
+    left by lm-eval, silently, for the whole run; refused under preflight_strict, else a warning. Prompts past the
+    trained length (`trained`: max_seq_length, when shorter) are said at start: they run on untrained positions."""
     from eval.harness import measure_prompts
 
-    lengths = measure_prompts(benchmarks, tokenizer, positions)
-    said = lengths.warning("benchmarks")
+    lengths = measure_prompts(benchmarks, tokenizer, positions, trained)
+    said, untrained = lengths.warning("benchmarks"), lengths.untrained_warning("benchmarks")
+    if untrained:
+        logger.warning("%s", untrained)
     if said is None:
         logger.info("benchmarks: %d prompts, the longest %d tokens, within max_position_embeddings %d",
                     lengths.prompts, lengths.longest_tokens, positions)  # fmt: skip
         return
     fix = (f"Raise model_config.max_position_embeddings to {positions + lengths.most_over} or more (RoPE has no "
-           "weights: it costs no memory), or lower eval_num_fewshot")  # fmt: skip
+           "weights: it costs no memory, but positions past max_seq_length are untrained), or lower "
+           "eval_num_fewshot")  # fmt: skip
     if strict:
         raise ConfigError(f"{said}. {fix}; or set preflight_strict: false to score them cut")
     logger.warning("%s. %s", said, fix)
