@@ -31,8 +31,6 @@ from eval.harness import (
 )
 
 logger = logging.getLogger("eval")
-# Each rank scores 1/world of the documents; the planner prices evaluation by this (recipes.planning.eval_cost).
-SPLITS_REQUESTS_OVER_RANKS = True
 
 
 def capture_rng_state() -> dict:

@@ -515,7 +515,8 @@ def test_prompts_longer_than_the_positions_are_measured_before_the_run_and_count
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pretrain"):
         check_prompt_lengths(settings, tokenizer, 4096, strict=True, trained=trained)
-    assert f"{past.beyond_trained} of {past.prompts} benchmark prompts run past max_seq_length {trained:,}" in caplog.text
+    said = f"{past.beyond_trained} of {past.prompts} benchmark prompts run past max_seq_length {trained:,}"
+    assert said in caplog.text
 
 
 def test_a_launch_that_ended_during_the_benchmarks_skips_them_once_at_that_step(tmp_path, monkeypatch):

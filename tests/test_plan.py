@@ -398,3 +398,15 @@ def test_every_planner_run_shown_in_docs_planning_is_the_planners_output_today(c
         main(shlex.split(lines[index])[4:])
         captured = capsys.readouterr()
         assert (captured.out + captured.err).rstrip("\n").split("\n") == shown, lines[index]
+
+
+def test_the_planner_answers_without_importing_torch():
+    """docs/planning.md: it answers in well under a second. It took 1.5 s, of which ~1 s was importing torch for one
+    constant of eval.in_loop."""
+    import subprocess
+    import sys
+
+    code = ("import sys, recipes.planning.cli, recipes.plan; "
+            "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.in_loop import SPLITS_REQUESTS_OVER_RANKS
+from eval import SPLITS_REQUESTS_OVER_RANKS
 from recipes.architecture import (
     gathered_units,
     hooked_modules,
