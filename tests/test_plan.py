@@ -406,7 +406,9 @@ def test_the_planner_answers_without_importing_torch():
     import subprocess
     import sys
 
-    code = ("import sys, recipes.planning.cli, recipes.plan; "
-            "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
+    code = (
+        "import sys, recipes.planning.cli, recipes.plan; "
+        "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
