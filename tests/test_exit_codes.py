@@ -198,6 +198,22 @@ def test_train_tokenizer_refuses_a_damaged_input_and_an_output_it_cannot_make_in
                  in_the_way / "tok")  # fmt: skip
     one_line(result, BAD_INPUT, f"--output {in_the_way / 'tok'} cannot be created: {in_the_way} is a file")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.jsonl.gz", "notes.txt"]
+    # a wrong --text-field saved a 258-token tokenizer with exit 0; a parquet without the column, a hub name: tracebacks
+    result = run("data_prep.train_tokenizer", "--input", corpus["validation"], "--vocab-size", 300, "--output",
+                 tmp_path / "tok", "--text-field", "body")  # fmt: skip
+    one_line(result, BAD_INPUT, "--input: no document was read (read 0 documents, skipped missing_field")
+    assert "is the text under another field than --text-field body?" in result.stderr
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "b.parquet")
+    for source, said in ((tmp_path / "b.parquet", "no column 'text'"), ("someorg/somecorpus", "does not exist")):
+        result = run("data_prep.train_tokenizer", "--input", source, "--vocab-size", 300, "--output", tmp_path / "t")
+        one_line(result, BAD_INPUT, said)
+    assert not (tmp_path / "tok").exists() and not (tmp_path / "t").exists()
+    result = run("data_prep.train_tokenizer", "--input", corpus["validation"], "--vocab-size", 300, "--output",
+                 tmp_path / "tok")  # fmt: skip
+    assert result.returncode == 0 and "read " in result.stdout and "documents" in result.stdout, result.stderr
 
 
 def test_train_tokenizer_on_a_full_disk_exits_4_leaves_nothing_and_the_same_command_saves_after_it(corpus, tmp_path):

@@ -12,8 +12,10 @@ same command trains and saves again; nothing half-written is left).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import shutil
+import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -22,7 +24,7 @@ from transformers import PreTrainedTokenizerFast
 from common.exit_codes import DISK_FULL, DONE, OneLineParser, disk_full, disk_full_line
 from common.files import directory_problem
 from common.lock import held_by_someone
-from data_prep.reading.readers import CorruptFileError, iter_texts, resolve_sources
+from data_prep.reading.readers import CorruptFileError, InputError, check_inputs, iter_records
 from data_prep.tokenizer.loading import tokenizer_pin
 
 EOS_TOKEN = "<|endoftext|>"
@@ -59,18 +61,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab_size < 258:
         parser.error(f"--vocab-size {args.vocab_size} is too small: 256 byte tokens + 2 special tokens is the minimum")
     output = Path(args.output)
-    try:
-        sources = resolve_sources(args.input, "--input")
+    try:  # files (no hub names: the readers take files), their formats and a parquet's column, before any work
+        sources = check_inputs(args.input, args.text_field)
         check_output(output, args.overwrite)
-    except (FileNotFoundError, ValueError) as error:
+    except (InputError, ValueError) as error:
         parser.error(str(error))
-    texts = itertools.chain.from_iterable(iter_texts(path, args.text_field) for path in sources)
+    counts: collections.Counter = collections.Counter()
+    texts = itertools.chain.from_iterable(counted_texts(path, args.text_field, counts) for path in sources)
     if args.max_documents is not None:
         texts = itertools.islice(texts, args.max_documents)
     try:
         tokenizer = train_tokenizer(texts, args.vocab_size)
     except CorruptFileError as error:  # found while reading: a traceback before
         parser.error(f"--input: {error}")
+    said = read_line(counts, args.text_field)
+    if not counts["documents"]:  # a wrong --text-field gave a 258-token tokenizer, saved, exit 0
+        parser.error(f"--input: no document was read ({said}); nothing was saved")
+    print(said)
+    if len(tokenizer) < args.vocab_size:
+        print(f"warning: the corpus gave {len(tokenizer):,} tokens, fewer than --vocab-size {args.vocab_size:,} "
+              "(too little text for that many merges)", file=sys.stderr)  # fmt: skip
     try:
         publish(tokenizer, output)
     except Exception as error:  # tokenizers' own writer raises a plain Exception, "... (os error 28)"
@@ -81,6 +91,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(DISK_FULL, f"error: {said}\n")
     print(f"saved a {len(tokenizer)}-token byte-level BPE tokenizer to {args.output}")
     return DONE
+
+
+def counted_texts(path, text_field: str, counts: collections.Counter):
+    """The documents of `path`, counting them and each skipped record by its reason in `counts`."""
+    for record in iter_records(path, text_field):
+        counts["documents" if record.text is not None else record.skipped] += 1
+        if record.text is not None:
+            yield record.text
+
+
+def read_line(counts: collections.Counter, text_field: str) -> str:
+    skipped = ", ".join(f"{reason} {count:,}" for reason, count in sorted(counts.items()) if reason != "documents")
+    hint = f"; is the text under another field than --text-field {text_field}?" if counts["missing_field"] else ""
+    return f"read {counts['documents']:,} documents" + (f", skipped {skipped}{hint}" if skipped else "")
 
 
 # What save_pretrained writes for a fast tokenizer, across transformers versions: --overwrite replaces a directory
