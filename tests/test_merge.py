@@ -193,3 +193,14 @@ def test_a_directory_holding_only_someone_elses_parquet_files_is_not_taken_for_a
     (target / "data" / "train-00000-of-00001.parquet").rename(target / "data" / "train-00000.parquet")
     assert merge_main([str(root / f"part-{i}") for i in range(3)] + ["--output", str(target)]) == 2, "no marker"
     assert (target / "data" / "train-00000.parquet").read_bytes() == b"their dataset"
+
+
+def test_the_merged_report_puts_each_inputs_counts_against_that_input():
+    """A part's per-input lists end at its last file that kept a document: part 0 of [a, b] with b all bad lines
+    holds one entry, and the merged report put part 1's file c's counts against b."""
+    from data_prep.preprocessing.report import CorpusStats
+
+    first = CorpusStats(documents_per_input=[20], tokens_per_input=[2900])  # inputs a, b (b: nothing kept)
+    second = CorpusStats(documents_per_input=[60], tokens_per_input=[9340])  # input c
+    merged = CorpusStats().merged(first, 0).merged(second, 2)
+    assert merged.documents_per_input == [20, 0, 60] and merged.tokens_per_input == [2900, 0, 9340]

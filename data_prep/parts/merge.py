@@ -223,9 +223,10 @@ def _place(source: Path, target: Path, sha256: str) -> None:
 
 def merged_manifest(manifests: list[dict], shards: list[dict], part_paths: list[str]) -> dict:
     first = manifests[0]
-    stats = CorpusStats()
+    stats, inputs_before = CorpusStats(), 0
     for manifest in manifests:
-        stats = stats.merged(CorpusStats(**manifest["report"]["stats"]))
+        stats = stats.merged(CorpusStats(**manifest["report"]["stats"]), inputs_before)
+        inputs_before += len(manifest["settings"]["inputs"])
     skipped = {reason: sum(m["skipped"].get(reason, 0) for m in manifests) for reason in first["skipped"]}
     examples: dict[str, list] = {}
     for manifest in manifests:

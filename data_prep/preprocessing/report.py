@@ -57,11 +57,14 @@ class CorpusStats:
             self.replacement_chars += document.replacement_chars
             self.short_documents += document.tokens < SHORT_DOCUMENT_TOKENS
 
-    def merged(self, other: CorpusStats) -> CorpusStats:
-        """This corpus followed by another (its inputs after these)."""
+    def merged(self, other: CorpusStats, inputs: int | None = None) -> CorpusStats:
+        """This corpus, read from `inputs` files, followed by another (its inputs after these). The per-input lists
+        grow only up to the last file that kept a document: padded to `inputs` first, or a later part's counts
+        were put against this part's files."""
+        padding = max(0, (inputs or 0) - len(self.documents_per_input))
         return CorpusStats(
-            self.documents_per_input + other.documents_per_input,
-            self.tokens_per_input + other.tokens_per_input,
+            self.documents_per_input + [0] * padding + other.documents_per_input,
+            self.tokens_per_input + [0] * padding + other.tokens_per_input,
             [a + b for a, b in zip(self.length_histogram, other.length_histogram, strict=True)],
             self.chars + other.chars,
             self.utf8_bytes + other.utf8_bytes,
