@@ -2,6 +2,7 @@
 a bad input said in one line (bare, the launcher exits 1 after a 35-line traceback, and 143 on SIGTERM)."""
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -90,8 +91,9 @@ def test_a_bad_input_through_the_launcher_is_one_line_and_exit_2(tmp_path, corpu
     assert last.startswith("launch: exit 2 (bad input); the ranks' codes: rank ") and last.endswith(": 2"), last
 
 
-def terminated_once_logged(tmp_path, corpus, output_dir, line: str) -> str:
-    """The log of a wrapped run of the tiny recipe sent SIGTERM as soon as it logs `line`, which must exit 0."""
+def terminated_once_logged(tmp_path, corpus, output_dir, line: str, signals=(signal.SIGTERM,), code=0) -> str:
+    """The log of a wrapped run of the tiny recipe sent `signals` as soon as it logs `line`; it must exit `code`
+    (None: any code but 0)."""
     log_path = tmp_path / "log.txt"
     with open(log_path, "w") as log:
         job = start(wrapped(tiny_overrides(corpus, output_dir, **{**REFERENCE_RUN, "max_steps": 400})), stdout=log,
@@ -100,8 +102,11 @@ def terminated_once_logged(tmp_path, corpus, output_dir, line: str) -> str:
         while line not in log_path.read_text() and time.time() < deadline:
             assert job.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.02)
-        job.terminate()
-        assert job.wait(timeout=180) == 0, log_path.read_text()[-3000:]
+        for number in signals:
+            job.send_signal(number)
+            time.sleep(0.5)
+        returned = job.wait(timeout=180)
+        assert returned == code if code is not None else returned != 0, log_path.read_text()[-3000:]
     return log_path.read_text()
 
 
@@ -113,6 +118,20 @@ def test_sigterm_to_the_launch_saves_and_exits_0(tmp_path, corpus):
     log = terminated_once_logged(tmp_path, corpus, output_dir, "INFO pretrain: loss")
     assert "launch: SIGTERM: asked" in log and "stop signal (SIGTERM/SIGUSR1): saved and exited" in log
     assert (output_dir / "latest").read_text().startswith("checkpoint-") and (output_dir / "run_summary.json").exists()
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_saves_and_exits_0_and_a_second_one_stops_unsaved(tmp_path, corpus):
+    """README: press Ctrl-C and the ranks save first; run-safety.md: a second Ctrl-C stops them unsaved."""
+    log = terminated_once_logged(tmp_path, corpus, tmp_path / "run", "INFO pretrain: loss", signals=[signal.SIGINT])
+    assert "launch: SIGINT: asked" in log and "a second Ctrl-C stops them unsaved" in log
+    assert "stop signal (SIGTERM/SIGUSR1): saved and exited" in log
+    assert (tmp_path / "run" / "latest").read_text().startswith("checkpoint-")
+    (tmp_path / "twice").mkdir()
+    # twice while the model is built (seconds: the first would stop the run at its first step boundary)
+    log = terminated_once_logged(tmp_path / "twice", corpus, tmp_path / "twice" / "run", "INFO pretrain: preflight",
+                                 signals=[signal.SIGINT, signal.SIGINT], code=None)  # fmt: skip
+    assert "launch: SIGINT: asked" in log and "training stopped" not in log, log[-3000:]
 
 
 @pytest.mark.multiprocess

@@ -95,3 +95,15 @@ def test_wandb_keeps_the_steps_a_rollback_or_a_resume_logs_again(tmp_path, monke
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*-rollback0test" / "run-rollback0test.wandb"))
     logged = [(h["train/step"], h["loss"]) for h in wandb_history(run_file) if "loss" in h]
     assert logged == [(1, 4.0), (2, 3.0), (3, 9.0), (2, 3.1), (3, 2.9)]
+
+
+def test_a_relaunch_continues_the_same_tracker_runs(tmp_path):
+    """docs/monitoring.md: a relaunch continues the same tracker run, by the ids kept in output_dir/trackers.json."""
+    from recipes.telemetry import trackers
+
+    (tmp_path / "trackers.json").write_text(json.dumps({"wandb": "kept0wandb0id", "mlflow": "kept-mlflow-id"}))
+    wandb, mlflow = trackers.trackers_for(["wandb", "mlflow"], tmp_path)
+    assert wandb.init_kwargs["id"] == "kept0wandb0id" and wandb.init_kwargs["resume"] == "allow"
+    assert mlflow.run_id == "kept-mlflow-id"
+    fresh = trackers.trackers_for(["wandb"], tmp_path / "new")[0].init_kwargs["id"]
+    assert fresh != "kept0wandb0id" and len(fresh) == 16
