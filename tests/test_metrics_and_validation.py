@@ -22,12 +22,15 @@ def test_memory_readings_are_plausible():
 
 
 class RecordingTrackers:
-    """Stands in for the accelerator whose trackers (TensorBoard, wandb, MLflow) were started."""
+    """Stands in for the accelerator whose trackers (TensorBoard, wandb, MLflow) were started: one tracker."""
+
+    name = "tensorboard"
 
     def __init__(self):
         self.logged = []
+        self.trackers = [self]
 
-    def log(self, values, step):
+    def log(self, values, step=None):
         self.logged.append((step, values))
 
 
