@@ -86,16 +86,17 @@ def replaced_aside(target: Path) -> Path:
     return target.with_name(f".{target.name}.replaced")
 
 
-def restore_replaced(aside: Path) -> tuple[Path, int] | None:
+def restore_replaced(aside: Path, whole: Callable[[Path], bool] = lambda path: True) -> tuple[Path, int, bool]:
     """What a replacement killed between its renames left at `aside`: put back where it was when nothing took its
-    place (None), else removed (returned with its bytes)."""
+    place and it is `whole` (a deletion that failed part-way leaves one that is not), else removed. Returns the
+    path it has now, its bytes, and whether it was put back."""
     target = aside.with_name(aside.name.removeprefix(".").removesuffix(".replaced"))
-    if not target.exists():
-        os.replace(aside, target)
-        return None
     size = sum(path.stat().st_size for path in aside.rglob("*") if path.is_file())
+    if not target.exists() and whole(aside):
+        os.replace(aside, target)
+        return target, size, True
     shutil.rmtree(aside, ignore_errors=True)
-    return aside, size
+    return aside, size, False
 
 
 def unused_name(path: Path) -> Path:

@@ -37,7 +37,7 @@ from common.process import peak_rss_bytes
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.files import atomic_write_text, replace_directory, sync_tree
+from common.files import atomic_write_text, replace_directory, replaced_aside, restore_replaced, sync_tree
 from common.lock import FileLock, LockedError
 from recipes.config import ConfigError, PretrainConfig, config_from_dict
 from recipes.training import checkpointing, universal
@@ -210,6 +210,10 @@ def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, 
     if staging.exists():  # this process holds the lock: whoever wrote it is gone
         logger.warning("removing %s, left by an export to %s that was killed", staging, output)
         shutil.rmtree(staging, ignore_errors=True)
+    if replaced_aside(output).is_dir():  # killed between replace_directory's renames: the old output, whole
+        path, _, restored = restore_replaced(replaced_aside(output))
+        logger.warning("%s %s, left by an export to %s that was killed", "put back" if restored else "removed", path,
+                       output)  # fmt: skip
     staging.mkdir(parents=True)
     try:
         _write_weights(checkpoint, staging, dtype, max_shard_size, model_config)

@@ -134,3 +134,13 @@ def test_waiting_for_data_is_step_time_and_is_logged_as_such(monkeypatch):
     assert trainer.state.step == 3
     # three reads, before the first step and after each but the last: all of them step time
     assert trainer.window.data_seconds >= 3 * 0.2 - 0.01 and trainer.window.seconds >= trainer.window.data_seconds
+
+
+def test_an_evaluation_that_does_not_stop_leaves_an_earlier_callbacks_stop_standing(monkeypatch):
+    from recipes.training.run_state import Stop
+
+    monkeypatch.setattr(callbacks, "validation_loss", lambda *args, **kwargs: 1.0)
+    trainer = Saves(RunState(step=1000))
+    control = Control(stop=Stop(StopReason.MAX_STEPS, "an earlier callback's"))
+    callbacks.Validation(ROWS, 1000, 1, None, patience=3, threshold=0.0).on_step_end(trainer, None, control)
+    assert control.stop == Stop(StopReason.MAX_STEPS, "an earlier callback's")

@@ -204,3 +204,10 @@ def test_the_merged_report_puts_each_inputs_counts_against_that_input():
     second = CorpusStats(documents_per_input=[60], tokens_per_input=[9340])  # input c
     merged = CorpusStats().merged(first, 0).merged(second, 2)
     assert merged.documents_per_input == [20, 0, 60] and merged.tokens_per_input == [2900, 0, 9340]
+
+
+def test_shard_names_past_99999_are_the_packages_own():
+    from data_prep.packing.format import is_shard_file, shard_name
+
+    assert is_shard_file(shard_name(100_000).split("/")[1]) and is_shard_file("train-00001.tmp")
+    assert not is_shard_file("train-00000-of-00002.parquet") and not is_shard_file("train-1.parquet")

@@ -131,9 +131,29 @@ def test_files_that_do_not_divide_among_the_readers_are_shared_by_record_so_none
         path = tmp_path / f"part-{f}.jsonl"
         path.write_text("".join(json.dumps({"text": f"file {f} doc {i}"}) + "\n" for i in range(40)))
         paths.append(str(path))
-    assert sharding(9, 8) == "record" and sharding(16, 8) == "file" and sharding(0, 8) == "record"
+    assert sharding(9, 8) == "file+record" and sharding(16, 8) == "file" and sharding(5, 8) == "record"
     counts = [len(list(shard_documents(paths, "text", shard, 8))) for shard in range(8)]
     assert sum(counts) == 9 * 40 and max(counts) - min(counts) <= 1, counts
+    seen = sorted(text for shard in range(8) for text in shard_documents(paths, "text", shard, 8))
+    assert seen == sorted(f"file {f} doc {i}" for f in range(9) for i in range(40)), "each document once"
+
+
+def test_only_the_remainder_of_the_files_is_read_by_every_reader(tmp_path, monkeypatch):
+    """Sharing every file by record when the count did not divide evenly had each of 16 readers read all 17 files
+    (272 opens where 17 + 16 do)."""
+    import data_prep.packing.stream as stream
+
+    paths = []
+    for f in range(17):
+        path = tmp_path / f"part-{f}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"file {f} doc {i}"}) + "\n" for i in range(4)))
+        paths.append(str(path))
+    opened = []
+    original = stream.iter_source_texts
+    monkeypatch.setattr(stream, "iter_source_texts", lambda source, *a: opened.append(source) or original(source, *a))
+    for shard in range(16):
+        list(shard_documents(paths, "text", shard, 16))
+    assert len(opened) == 16 + 16 and opened.count(paths[-1]) == 16 and opened.count(paths[0]) == 1
 
 
 def test_document_position_ids_restart_after_every_eos():

@@ -291,3 +291,34 @@ def test_a_special_tokens_string_inside_a_document_is_text_not_a_document_bounda
     packed = [*streamed[0].tolist(), tokenizer.eos_token_id, *streamed[1].tolist(), tokenizer.eos_token_id]
     assert ids == packed[: len(ids)] and len(ids) > len(streamed[0]) + 1  # both documents, one boundary between
     assert tokenizer.pad_token_id is not None  # the fixture's tokenizer has both: the test can fail
+
+
+def test_an_interrupted_output_of_the_version_that_read_special_strings_as_tokens_is_not_continued(
+    tmp_path, corpus, monkeypatch
+):
+    """Its shards so far read `<|endoftext|>` in a document as EOS; continued, the rest would read it as text, and
+    the manifest would say text for all of it."""
+    from data_prep.preprocessing import pipeline
+    from data_prep.preprocessing.progress import PROGRESS_DIR, PROGRESS_FILE
+
+    class Killed(Exception):
+        pass
+
+    def killed_after_the_first_save(*args, **kwargs):
+        save_progress(*args, **kwargs)
+        raise Killed
+
+    save_progress = pipeline.save_progress
+    monkeypatch.setattr(pipeline, "save_progress", killed_after_the_first_save)
+    arguments = dict(seq_len=SEQ, num_workers=1, rows_per_shard=150, log=lambda _: None)
+    with pytest.raises(Killed):
+        preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(tmp_path / "out"), **arguments)
+    monkeypatch.undo()
+    state = tmp_path / "out" / PROGRESS_DIR / PROGRESS_FILE
+    with np.load(state) as saved:
+        record, carry, open_tokens = json.loads(str(saved["state"])), saved["carry"], saved["open_tokens"]
+    del record["special_tokens_in_text"]  # as the version before wrote it
+    with open(state, "wb") as handle:
+        np.savez(handle, state=np.array(json.dumps(record)), carry=carry, open_tokens=open_tokens)
+    with pytest.raises(PreprocessError, match="started by a version that read a special token's string"):
+        preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(tmp_path / "out"), **arguments)

@@ -149,3 +149,14 @@ def test_a_stop_signal_right_after_a_loss_spike_rollback_saves_the_data_position
     assert manifest_problems(first) == [] and checkpointer.is_current(4)
     checkpointer.load(first)  # a resume's load holds the whole state
     assert checkpointer.is_current(4)
+
+
+def test_a_checkpoint_set_aside_whose_deletion_failed_part_way_is_removed_not_put_back(tmp_path):
+    """The aside is deleted with errors ignored (an NFS .nfs* file, a permission): one left half deleted was renamed
+    back to checkpoint-N at the next start, a checkpoint with no manifest that nothing would ever remove."""
+    from recipes.training.output_dir import remove_stale_checkpoint_staging
+
+    aside = make_checkpoint(tmp_path, 200).rename(tmp_path / ".checkpoint-200.replaced")
+    (aside / "manifest.json").unlink()
+    assert [path.name for path, _ in remove_stale_checkpoint_staging(tmp_path)] == [".checkpoint-200.replaced"]
+    assert list(tmp_path.iterdir()) == []

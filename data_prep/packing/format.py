@@ -24,7 +24,7 @@ def shard_name(index: int) -> str:
 def is_shard_file(name: str) -> bool:
     """A name in `data/` that this package writes (a shard, or one being written): the only files a resumed or
     restarted preprocessing or merge removes there. The hub's `train-00000-of-00002.parquet` is not one."""
-    return re.fullmatch(r"train-\d{5}\.(parquet|tmp)", name) is not None
+    return re.fullmatch(r"train-\d{5,}\.(parquet|tmp)", name) is not None  # past 99,999: six digits
 
 
 def is_preprocessed(path: str | Path) -> bool:

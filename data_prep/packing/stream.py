@@ -1,12 +1,13 @@
 """Streaming tokenize-and-pack: raw text files in, rows of exactly `seq_len` token ids out.
 
-One shard per (rank, dataloader worker). When the files divide evenly among the shards, sharding is by file:
-shard s reads files s, s + num_shards, ..., so each reader opens only its own files (balanced when the files are
-of similar size, as the shards of a corpus usually are). Otherwise it is by record: record i (a line, or a parquet
-row) of file f belongs to shard `(i + f) % num_shards`; every shard then reads every file but parses and tokenizes
-only its own records, and offsetting by the file index spreads short files over all shards. Either way shards are
-disjoint and together cover the corpus exactly once. (Training ends when the first reader runs out: 9 files over
-8 readers by file gave one reader two files, and the 9th file was never trained on.)
+One shard per (rank, dataloader worker). Files that divide evenly among the shards are sharded by file: shard s
+reads files s, s + num_shards, ..., so each reader opens only its own files (balanced when the files are of similar
+size, as the shards of a corpus usually are). The remainder (all the files, when there are fewer than shards) is
+sharded by record: record i (a line, or a parquet row) of file f belongs to shard `(i + f) % num_shards`; every
+shard reads those files but parses and tokenizes only its own records, and offsetting by the file index spreads
+short files over all shards. Either way shards are disjoint and together cover the corpus exactly once. (Training
+ends when the first reader runs out: 9 files over 8 readers by file gave one reader two files, and the 9th file was
+never trained on.)
 """
 
 from __future__ import annotations
@@ -25,16 +26,20 @@ TOKENIZE_BATCH_DOCS = 256
 
 
 def sharding(num_sources: int, num_shards: int) -> str:
-    """'file' when every shard can have as many files of its own as every other, else 'record'."""
-    return "file" if num_sources and num_sources % num_shards == 0 else "record"
+    """'file' when the files divide evenly among the shards; 'file+record' when there are more, the remainder shared
+    by record; 'record' when there are fewer."""
+    if num_sources < num_shards:
+        return "record"
+    return "file" if num_sources % num_shards == 0 else "file+record"
 
 
 def shard_documents(sources: list[str], text_field: str, shard: int, num_shards: int) -> Iterator[str]:
-    if sharding(len(sources), num_shards) == "file":
-        for source in sources[shard::num_shards]:
-            yield from iter_source_texts(source, text_field)
-        return
-    for file_index, source in enumerate(sources):
+    # the first files in equal shares, each read by one shard; the remainder (fewer than num_shards files) by record,
+    # read by every shard: 17 files over 16 readers by record alone read the whole corpus 16 times over
+    by_file = 0 if sharding(len(sources), num_shards) == "record" else len(sources) - len(sources) % num_shards
+    for source in sources[shard:by_file:num_shards]:
+        yield from iter_source_texts(source, text_field)
+    for file_index, source in enumerate(sources[by_file:], start=by_file):
         yield from iter_source_texts(source, text_field, (shard - file_index) % num_shards, num_shards)
 
 

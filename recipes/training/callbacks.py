@@ -260,8 +260,9 @@ class Validation(Callback):
         if first or eval_loss < state.best_eval_loss:  # the threshold is patience's: the best is the lowest loss
             state.best_eval_loss, state.best_checkpoint = eval_loss, f"checkpoint-{state.step}"
             trainer.save()  # the best model is always on disk, and protected from rotation
-        control.stop = self.stop_before_training(trainer)
-        if control.stop:
+        stop = self.stop_before_training(trainer)
+        if stop:  # (not assigned when None: an earlier callback's stop stands)
+            control.stop = stop
             trainer.save()
 
     def stop_before_training(self, trainer: TrainerView) -> Stop | None:

@@ -101,11 +101,11 @@ def read_paths(config: PretrainConfig) -> list[tuple[str, Path]]:
 def prepare(config: PretrainConfig, ds_config: dict, tokenizer) -> None:
     """Once every check has passed (main process): clear a previous run if asked to, and write the resolved
     recipe, the DeepSpeed config and a copy of the tokenizer beside the run's outputs."""
-    check_fresh_start(config)
     output_dir = Path(config.output_dir)
-    for staging, size in remove_stale_export_staging(output_dir):
+    for staging, size in remove_stale_export_staging(output_dir):  # first: a final/ it puts back is a run output
         logger.warning("removed %s (%.1f GB), left by an export that was killed (final/ or one beside the "
                        "checkpoints)", staging, size / 1e9)  # fmt: skip
+    check_fresh_start(config)
     with disk_errors_named(output_dir):
         checkpointing.write_resolved_config(output_dir, config.to_dict())
         (output_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2, default=str))
@@ -114,8 +114,8 @@ def prepare(config: PretrainConfig, ds_config: dict, tokenizer) -> None:
 
 def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
     """Staging directories in `directory` left by exports that were killed (no process holds their lock), removed:
-    at 70B one is ~140 GB of hidden files; an export killed while replacing its output gets the old one back or loses
-    it (`restore_replaced`). Returns what was removed, with its bytes."""
+    at 70B one is ~140 GB of hidden files; an export killed while replacing its output gets the old one back
+    (`put_back`). Returns what was removed, with its bytes."""
     removed = []
     for lock in sorted(directory.glob(".*.export-lock")):
         staging = lock.with_name(lock.name.removesuffix(".export-lock") + ".tmp")
@@ -124,21 +124,33 @@ def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
             continue
         try:  # held while removing, as an export holds it: one starting meanwhile is refused, not removed under
             with FileLock(lock, what="a starting run removing a killed export's staging"):
-                removed.append(restore_replaced(aside) if aside.is_dir() else None)
-                removed.append((staging, remove_tree(staging)) if staging.is_dir() else None)
+                removed += put_back(aside) + ([(staging, remove_tree(staging))] if staging.is_dir() else [])
         except LockedError:  # an export at work
             continue
-    return [entry for entry in removed if entry is not None]
+    return removed
+
+
+def put_back(aside: Path, whole=lambda path: True) -> list[tuple[Path, int]]:
+    """`restore_replaced` of `aside` (if there is one), saying what it put back; [] or what it removed instead."""
+    if not aside.is_dir():
+        return []
+    path, size, restored = restore_replaced(aside, whole)
+    if restored:
+        logger.warning("put %s (%.1f GB) back: a replacement of it was killed between its two renames", path,
+                       size / 1e9)  # fmt: skip
+        return []
+    return [(path, size)]
 
 
 def remove_stale_checkpoint_staging(output_dir: Path) -> list[tuple[Path, int]]:
     """What killed saves (`.checkpoint-N.tmp`, up to ~830 GB of hidden files at 70B), rotations
     (`.checkpoint-N.deleting`) and universal conversions left, removed at a start, where no save of this directory
     can be at work (the run holds its lock); what a replacement killed half-way set aside goes back or goes
-    (`restore_replaced`). Returns what was removed, with its bytes."""
-    asides = sorted(output_dir.glob(".checkpoint-*.replaced")) + [replaced_aside(output_dir / TOKENIZER_COPY)]
-    # first: one killed between its renames put back (its replacement's staging goes below)
-    removed = [entry for entry in (restore_replaced(a) for a in asides if a.is_dir()) if entry is not None]
+    (`put_back`: a checkpoint only when its files match its manifest). Returns what was removed, with its bytes."""
+    removed = []
+    for aside in sorted(output_dir.glob(".checkpoint-*.replaced")):  # first: the staging of its replacement goes below
+        removed += put_back(aside, lambda path: not checkpointing.manifest_problems(path))
+    removed += put_back(replaced_aside(output_dir / TOKENIZER_COPY))
     conversions = sorted(output_dir.glob(f"checkpoint-*/{elastic.STAGING}*"))  # killed ones, ~830 GB each at 70B
     for staging in sorted(output_dir.glob(".checkpoint-*.tmp")) + checkpointing.deleting(output_dir) + conversions:
         removed.append((staging, remove_tree(staging)))

@@ -204,9 +204,12 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     benchmarks = benchmark_settings(config)
     if benchmarks:
         # numbers and data directories, before the model costs anything
-        log_on_main(accelerator, benchmarks.check(RECIPE_KEYS, model_config.max_position_embeddings))
+        warnings: list[str] = []  # agreed: the offline check reads each node's own Hugging Face cache
+        positions = model_config.max_position_embeddings
+        on_every_rank(lambda: warnings.extend(benchmarks.check(RECIPE_KEYS, positions)), catch=(ValueError,))
+        log_on_main(accelerator, warnings)
         logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
-        positions, strict = model_config.max_position_embeddings, config.preflight_strict
+        strict = config.preflight_strict
         trained = config.max_seq_length if config.max_seq_length < positions else None
         on_main_process(lambda: check_prompt_lengths(benchmarks, tokenizer, positions, strict, trained),
                         catch=(ConfigError,))  # fmt: skip

@@ -194,6 +194,13 @@ def build_loader(source: PackedRows | MixedRows | list[str], config: PretrainCon
     return DataLoader(stream, batch_size=config.per_device_train_batch_size, drop_last=True, **common)
 
 
+SHARDING_SAID = {
+    "file": "",
+    "record": ": every reader reads every file and keeps its own records",
+    "file+record": ": the files that do not divide evenly among the readers are shared by record",
+}
+
+
 class TrainData:
     """Micro-batches over `num_train_epochs` passes, and the position in them (epoch, rows this rank consumed in
     it). Every method that gathers is a collective: call it on every rank."""
@@ -211,8 +218,7 @@ class TrainData:
             self.sharding = sharding(len(source), readers)
             logger.info(
                 "train data: %d raw file(s) over %d reader(s) (ranks x dataloader workers), sharded by %s%s",
-                len(source), readers, self.sharding,
-                "" if self.sharding == "file" else ": every reader reads every file and keeps its own records",
+                len(source), readers, self.sharding, SHARDING_SAID[self.sharding],
             )  # fmt: skip
             if config.shuffle_train_rows:
                 logger.info("train data: raw text is trained in file order (shuffle_train_rows applies to "
