@@ -111,24 +111,18 @@ def terminated_once_logged(tmp_path, corpus, output_dir, line: str, signals=(sig
 
 
 @pytest.mark.multiprocess
-def test_sigterm_to_the_launch_saves_and_exits_0(tmp_path, corpus):
-    """A run started without Slurm and stopped with `kill PID` (of what was started): the ranks save and the launch
-    exits 0 (bare `accelerate launch` exits 143, and its torchrun SIGKILLs the ranks 30 s after the signal)."""
+def test_ctrl_c_to_the_launch_saves_and_exits_0_and_a_second_one_stops_unsaved(tmp_path, corpus):
+    """A run started without Slurm and stopped with Ctrl-C (README), forwarded to the ranks as SIGTERM, which `kill
+    PID` sends (its own test is the stop during the start below): the ranks save and the launch exits 0 (bare
+    `accelerate launch` exits 143, and its torchrun SIGKILLs the ranks 30 s after the signal). A second Ctrl-C stops
+    them unsaved (run-safety.md)."""
     output_dir = tmp_path / "run"
-    log = terminated_once_logged(tmp_path, corpus, output_dir, "INFO pretrain: loss")
-    assert "launch: SIGTERM: asked" in log and "stop signal (SIGTERM/SIGUSR1): saved and exited" in log
-    assert (output_dir / "latest").read_text().startswith("checkpoint-") and (output_dir / "run_summary.json").exists()
-
-
-@pytest.mark.multiprocess
-def test_ctrl_c_saves_and_exits_0_and_a_second_one_stops_unsaved(tmp_path, corpus):
-    """README: press Ctrl-C and the ranks save first; run-safety.md: a second Ctrl-C stops them unsaved."""
-    log = terminated_once_logged(tmp_path, corpus, tmp_path / "run", "INFO pretrain: loss", signals=[signal.SIGINT])
-    assert "launch: SIGINT: asked" in log and "a second Ctrl-C stops them unsaved" in log
+    log = terminated_once_logged(tmp_path, corpus, output_dir, "INFO pretrain: loss", signals=[signal.SIGINT])
+    assert "launch: SIGINT: asked" in log and "(SIGTERM); a second Ctrl-C stops them unsaved" in log
     assert "stop signal (SIGTERM/SIGUSR1): saved and exited" in log
-    assert (tmp_path / "run" / "latest").read_text().startswith("checkpoint-")
-    (tmp_path / "twice").mkdir()
+    assert (output_dir / "latest").read_text().startswith("checkpoint-") and (output_dir / "run_summary.json").exists()
     # twice while the model is built (seconds: the first would stop the run at its first step boundary)
+    (tmp_path / "twice").mkdir()
     log = terminated_once_logged(tmp_path / "twice", corpus, tmp_path / "twice" / "run", "INFO pretrain: preflight",
                                  signals=[signal.SIGINT, signal.SIGINT], code=None)  # fmt: skip
     assert "launch: SIGINT: asked" in log and "training stopped" not in log, log[-3000:]

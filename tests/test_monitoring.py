@@ -229,7 +229,7 @@ def test_a_launch_refused_at_its_start_serves_exit_code_2_before_it_goes(tmp_pat
     port = free_port()
     args = tiny_overrides(corpus, tmp_path / "run", train_files=tmp_path / "gone.jsonl")
     process = start(launch_command(REPO / "recipes/pretrain.py", [*args, "--prometheus_port", str(port),
-                                                                  "--metrics_linger_s", "8"]),
+                                                                  "--metrics_linger_s", "4"]),
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     served = set()
     while process.poll() is None:

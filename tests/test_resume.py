@@ -173,10 +173,10 @@ def test_a_stop_signal_makes_every_rank_save_and_exit_cleanly(tmp_path, corpus, 
 
 
 def test_early_stopping_exports_the_best_checkpoint(tmp_path, corpus):
-    # A learning rate that overshoots: the eval loss falls, then rises once (step 36), and patience 1 stops the run.
+    # A learning rate that overshoots: the eval loss falls, then rises (at step 12), and patience 1 stops the run.
     args = tiny_overrides(
         corpus, tmp_path, max_steps=60, eval_steps=4, save_steps=100, logging_steps=4, max_eval_samples=16,
-        early_stopping_patience=1, learning_rate="0.3", warmup_steps=0,
+        early_stopping_patience=1, learning_rate="1.0", warmup_steps=0,
     )  # fmt: skip
     result = launch(REPO / "recipes/pretrain.py", args)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -209,7 +209,7 @@ def test_early_stopping_exports_the_best_checkpoint(tmp_path, corpus):
     changed.write_text("".join(reversed(corpus["validation"].read_text().splitlines(keepends=True))))
     args = tiny_overrides(
         corpus, tmp_path, max_steps=stopped + 4, eval_steps=4, save_steps=100, logging_steps=4, max_eval_samples=16,
-        early_stopping_patience=1, learning_rate="0.3", warmup_steps=0, validation_files=changed,
+        early_stopping_patience=1, learning_rate="1.0", warmup_steps=0, validation_files=changed,
     )  # fmt: skip
     resumed = launch(REPO / "recipes/pretrain.py", args)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
