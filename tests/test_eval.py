@@ -475,7 +475,7 @@ def test_prompts_longer_than_the_positions_are_measured_before_the_run_and_count
 
     from eval.harness import measure_prompts
     from recipes.config import ConfigError
-    from recipes.training.startup import check_prompt_lengths
+    from recipes.training.benchmark_checks import check_prompt_lengths
 
     tokenizer = AutoTokenizer.from_pretrained(corpus["tokenizer"])
     settings = BenchmarkSettings(["mmlu", "gsm8k"], str(data["mmlu_parquet"]), str(data["gsm8k_jsonl"]), limit=2,
@@ -676,7 +676,7 @@ def test_an_empty_task_list_and_hub_tasks_offline_are_refused_in_one_line(tmp_pa
     """`--tasks ""` passed the checks and failed with a traceback after the model had loaded; so did a hub task
     offline (datasets' ConnectionError; the recipe's start-up too, on rank 0). Refused now before any model, in one
     line that names the flag or key; "[] for none" is only the recipe's to say."""
-    from recipes.training.startup import RECIPE_KEYS
+    from recipes.training.benchmark_checks import RECIPE_KEYS
 
     output = ["--output", str(tmp_path / "r.json")]
     for tasks in ("", ",", " , "):

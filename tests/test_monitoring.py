@@ -224,6 +224,7 @@ def test_a_launch_refused_at_its_start_serves_exit_code_2_before_it_goes(tmp_pat
     (PretrainEndpointDown), and a requeued start's showed nothing at all (its last value was the previous 0)."""
     import subprocess
 
+    from common.lock import LOCK_FILE, held_by_someone
     from tests.conftest import launch_command, start, tiny_overrides
 
     port = free_port()
@@ -231,11 +232,14 @@ def test_a_launch_refused_at_its_start_serves_exit_code_2_before_it_goes(tmp_pat
     process = start(launch_command(REPO / "recipes/pretrain.py", [*args, "--prometheus_port", str(port),
                                                                   "--metrics_linger_s", "4"]),
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    served = set()
+    served, locked_while_served = set(), []
     while process.poll() is None:
         with contextlib.suppress(OSError):  # before the endpoint is up
             served |= set(re.findall(r'pretrain_run_exit_code\{node="0"\} (\S+)', scrape(port)))
+            if served:  # the output_dir lock is let go first: a corrected relaunch meanwhile is not refused
+                locked_while_served.append(held_by_someone(tmp_path / "run" / LOCK_FILE))
         time.sleep(0.3)
     stderr = process.communicate()[1]
     assert process.returncode != 0 and stderr.count("error: train_files") == 1, stderr[-3000:]
     assert served == {"2.0"}, stderr[-3000:]
+    assert locked_while_served and not any(locked_while_served)

@@ -32,6 +32,7 @@ from recipes.planning.plan import make_plan, plan_predictions
 from recipes.planning.report import format_plan
 from recipes.telemetry.trackers import check_trackers
 from recipes.training import attention, checkpointing
+from recipes.training.benchmark_checks import benchmark_settings, check_benchmarks
 from recipes.training.model import check_leaf_modules, detect_attn_implementation, llama_config
 from recipes.training.op_builds import serialize_op_builds
 from recipes.training.resume import run_identity
@@ -179,11 +180,6 @@ def bf16_emulation_warning(bf16: bool, cuda: bool, native_bf16: bool) -> str | N
     )
 
 
-def log_on_main(accelerator, warnings: list[str]) -> None:
-    for warning in warnings if accelerator.is_main_process else []:
-        logger.warning(warning)
-
-
 def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     """Everything that can be wrong with the inputs, checked before the model costs anything."""
     try:
@@ -201,18 +197,7 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
         )
     validation = validation_rows(config, tokenizer)
     model_config = checked_model_config(config, tokenizer)
-    benchmarks = benchmark_settings(config)
-    if benchmarks:
-        # numbers and data directories, before the model costs anything
-        warnings: list[str] = []  # agreed: the offline check reads each node's own Hugging Face cache
-        positions = model_config.max_position_embeddings
-        on_every_rank(lambda: warnings.extend(benchmarks.check(RECIPE_KEYS, positions)), catch=(ValueError,))
-        log_on_main(accelerator, warnings)
-        logger.info("benchmarks: %s every %d evaluation(s)", ", ".join(benchmarks.tasks), config.eval_benchmarks_every)
-        strict = config.preflight_strict
-        trained = config.max_seq_length if config.max_seq_length < positions else None
-        on_main_process(lambda: check_prompt_lengths(benchmarks, tokenizer, positions, strict, trained),
-                        catch=(ConfigError,))  # fmt: skip
+    benchmarks = check_benchmarks(config, tokenizer, model_config.max_position_embeddings, accelerator)
     slow_bf16 = bf16_emulation_warning(config.bf16, torch.cuda.is_available(), cpu_has_native_bf16())
     if slow_bf16:
         logger.warning(slow_bf16)
@@ -236,29 +221,6 @@ def preflight(config: PretrainConfig, accelerator, ds_config) -> RunInputs:
     check_ranks_read_alike(identity, validation, attn_implementation)
     return RunInputs(tokenizer, model_config, attn_implementation, train_source, validation, benchmarks, identity,
                      plan_predictions(plan), pin)  # fmt: skip
-
-
-def check_prompt_lengths(benchmarks: BenchmarkSettings, tokenizer, positions: int, strict: bool,
-                         trained: int | None = None) -> None:  # fmt: skip
-    """The configured benchmarks' prompts against the model's positions: a prompt longer than them is cut from the
-    left by lm-eval, silently, for the whole run; refused under preflight_strict, else a warning. Prompts past the
-    trained length (`trained`: max_seq_length, when shorter) are said at start: they run on untrained positions."""
-    from eval.harness import measure_prompts
-
-    lengths = measure_prompts(benchmarks, tokenizer, positions, trained)
-    said, untrained = lengths.warning("benchmarks"), lengths.untrained_warning("benchmarks")
-    if untrained:
-        logger.warning("%s", untrained)
-    if said is None:
-        logger.info("benchmarks: %d prompts, the longest %d tokens, within max_position_embeddings %d",
-                    lengths.prompts, lengths.longest_tokens, positions)  # fmt: skip
-        return
-    fix = (f"Raise model_config.max_position_embeddings to {positions + lengths.most_over} or more (RoPE has no "
-           "weights: it costs no memory, but positions past max_seq_length are untrained), or lower "
-           "eval_num_fewshot")  # fmt: skip
-    if strict:
-        raise ConfigError(f"{said}. {fix}; or set preflight_strict: false to score them cut")
-    logger.warning("%s. %s", said, fix)
 
 
 def checked_model_config(config: PretrainConfig, tokenizer):
@@ -352,27 +314,6 @@ def validation_rows(config: PretrainConfig, tokenizer) -> torch.Tensor | None:
     return rows
 
 
-# BenchmarkSettings' fields as the recipe names them, for its messages
-RECIPE_KEYS = {"tasks": "eval_tasks", "limit": "eval_limit", "num_fewshot": "eval_num_fewshot",
-               "batch_size": "per_device_eval_batch_size", "max_gen_toks": "eval_max_gen_toks",
-               "mmlu_dir": "mmlu_dir"}  # fmt: skip
-
-
-def benchmark_settings(config: PretrainConfig) -> BenchmarkSettings | None:
-    if not config.eval_tasks:
-        return None
-    return BenchmarkSettings(
-        tasks=list(config.eval_tasks),
-        mmlu_dir=config.mmlu_dir,
-        gsm8k_dir=config.gsm8k_dir,
-        limit=config.eval_limit,
-        num_fewshot=config.eval_num_fewshot,
-        batch_size=config.per_device_eval_batch_size,
-        max_gen_toks=config.eval_max_gen_toks,
-        log_samples=config.eval_log_samples,
-    )
-
-
 def data_passes(config: PretrainConfig, data, world: int) -> tuple[int, str]:
     """How many steps the data gives against the run's (recipes.training.train_data.passes_line)."""
     from recipes.training.schedule import recipe_lr
@@ -407,11 +348,8 @@ class Launch:
 def check_launch(config: PretrainConfig) -> Launch:
     """Distributed setup and every check, before the model is built; the lock is the first thing written, the
     run's config files the last. A collective."""
-    from accelerate.utils import set_seed
-
-    from recipes.training import elastic, output_dir, resume
+    from recipes.training import output_dir
     from recipes.training.run_state import StopSignals
-    from recipes.training.train_data import TrainData
 
     # From here a stop signal waits for the first step boundary (a start can take half an hour at 70B: checksums, an
     # elastic conversion, the model): it used to kill the ranks, exit 1, in that time
@@ -427,6 +365,21 @@ def check_launch(config: PretrainConfig) -> Launch:
     lock = output_dir.lock(config)  # one writer per directory, taken before anything is written
     if lock is not None:
         atexit.register(lock.release)  # at any exit; after a kill, the dead holder's lock is taken over
+    try:
+        return checked_launch(config, accelerator, ds_config, lock, signals)
+    except BaseException:  # a refusal: let go now, not after the exit code's minute on the Prometheus endpoint
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def checked_launch(config: PretrainConfig, accelerator, ds_config, lock, signals) -> Launch:
+    """`check_launch` once the lock is held."""
+    from accelerate.utils import set_seed
+
+    from recipes.training import elastic, output_dir, resume
+    from recipes.training.train_data import TrainData
+
     inputs = preflight(config, accelerator, ds_config)
     set_seed(config.seed)
     world = accelerator.num_processes
