@@ -569,3 +569,17 @@ def test_a_converter_killed_by_a_signal_is_a_failure_to_retry_not_a_bad_input(tm
         assert type(raised.value) is error
         said = json.loads((checkpoint / elastic.FAILED).read_text())
         assert said["attempt"] == "this start" and said["message"] == str(raised.value)
+
+
+def test_a_resume_with_document_masking_or_the_precision_changed_is_another_run():
+    """Neither was in the run's identity: early stopping then compared eval losses of two attention rules, and a bf16
+    run resumed in fp16 took over bf16's static loss scale of 1 (no dynamic scaling, gradients underflowing)."""
+    from recipes.training.resume import identity_changes
+
+    saved = {"document_masking": False, "precision": "bf16", "text_field": "text"}
+    changes = identity_changes(saved, {**saved, "document_masking": True, "precision": "fp16"})
+    assert [change.split(" (")[0] for change in changes] == [
+        "document_masking: false -> true",
+        "precision: bf16 -> fp16",
+    ]
+    assert identity_changes({"text_field": "text"}, {**saved}) == [], "checkpoints from before they were recorded"

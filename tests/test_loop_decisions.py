@@ -144,3 +144,43 @@ def test_an_evaluation_that_does_not_stop_leaves_an_earlier_callbacks_stop_stand
     control = Control(stop=Stop(StopReason.MAX_STEPS, "an earlier callback's"))
     callbacks.Validation(ROWS, 1000, 1, None, patience=3, threshold=0.0).on_step_end(trainer, None, control)
     assert control.stop == Stop(StopReason.MAX_STEPS, "an earlier callback's")
+
+
+def test_a_resume_says_what_of_the_recipe_changed_and_takes_the_recipes_optimizer_settings(tmp_path):
+    """Nothing said what a resume applied of an edited recipe or a forgotten flag (warmup 35,000 -> 10,000 at step
+    5,000 moved the learning rate from 1.4e-5 to 5e-5); and the optimizer's load put the saved groups back whole, so
+    a lowered weight_decay was ignored at the same world size and taken at the next change of it."""
+    import logging
+
+    import yaml
+
+    from recipes.training.model import group_hyperparameters, hyperparameter_changes, restore_group_hyperparameters
+    from recipes.training.resume import changes_line
+
+    checkpoint = tmp_path / "checkpoint-5000"
+    checkpoint.mkdir()
+    saved = {"learning_rate": 1e-4, "warmup_steps": 35000, "model_config": {"num_hidden_layers": 80},
+             "resume_from_checkpoint": "auto"}  # fmt: skip
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(saved))
+    level, line = changes_line(checkpoint, {**saved, "warmup_steps": 10000, "resume_from_checkpoint": "none"})
+    assert (
+        level == logging.WARNING
+        and line == "resume: recipe changed since checkpoint-5000: warmup_steps: 35000 -> 10000"
+    )
+    assert changes_line(checkpoint, saved) == (logging.INFO, "resume: recipe changed since checkpoint-5000: nothing")
+
+    weights = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))]
+    before = torch.optim.AdamW(
+        [{"params": weights[:1], "weight_decay": 0.1}, {"params": weights[1:], "weight_decay": 0.0}]
+    )
+    groups = [{"params": weights[:1], "weight_decay": 0.05}, {"params": weights[1:], "weight_decay": 0.0}]
+    after = torch.optim.AdamW(groups, eps=1e-6)
+    built = group_hyperparameters(after)
+    after.load_state_dict(before.state_dict())  # what a same-world resume's load does
+    assert after.param_groups[0]["weight_decay"] == 0.1, "torch puts the saved group back whole"
+    assert hyperparameter_changes(group_hyperparameters(after), built) == ["eps 1e-08 -> 1e-06",
+                                                                           "weight_decay 0.1 -> 0.05"]  # fmt: skip
+    restore_group_hyperparameters(after, built)
+    assert [group["weight_decay"] for group in after.param_groups] == [0.05, 0.0] and after.param_groups[0][
+        "eps"
+    ] == 1e-6

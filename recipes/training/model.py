@@ -271,9 +271,9 @@ def replay_cpu_adam_bias_correction(optimizer) -> int | None:
 
 
 def group_hyperparameters(optimizer) -> list[dict]:
-    """Each parameter group's hyperparameters but its parameters and learning rate (set every step), for
-    `restore_group_hyperparameters`."""
-    return [{key: value for key, value in group.items() if key not in ("params", "lr")}
+    """Each parameter group's hyperparameters but its parameters, learning rate (set every step) and a step count
+    some optimizers keep there (state, not a setting), for `restore_group_hyperparameters`."""
+    return [{key: value for key, value in group.items() if key not in ("params", "lr", "step")}
             for group in innermost_optimizer(optimizer).param_groups]  # fmt: skip
 
 
@@ -288,6 +288,18 @@ def restore_group_hyperparameters(optimizer, kept: list[dict]) -> None:
         raise RuntimeError(f"the optimizer has {len(groups)} parameter groups after the load, {len(kept)} before")
     for group, values in zip(groups, kept, strict=True):
         group.update(values)
+
+
+def hyperparameter_changes(loaded: list[dict], built: list[dict]) -> list[str]:
+    """What differs between the groups a checkpoint brought (`loaded`) and the recipe's (`built`), each once:
+    `weight_decay 0.1 -> 0.05`."""
+    changes = []
+    for before, after in zip(loaded, built, strict=False):
+        for key in sorted(after):
+            said = f"{key} {before.get(key)} -> {after[key]}"
+            if before.get(key) != after[key] and said not in changes:
+                changes.append(said)
+    return changes
 
 
 def innermost_optimizer(optimizer):

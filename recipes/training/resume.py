@@ -38,6 +38,10 @@ RUN_DEFINING = {
     "train_data": "train_files / train_mixture (the data's identity)",
     "text_field": "text_field",
     "train_order": "shuffle_train_rows / data_seed, or seed when data_seed is null (the order of the rows)",
+    # what the model computes and is evaluated with: the early-stopping best compared losses of two attention rules,
+    # and bf16 -> fp16 took over bf16's static loss scale of 1 (no dynamic scaling)
+    "document_masking": "document_masking (what a token attends to, and its positions)",
+    "precision": "bf16 / fp16 (the training precision, and its loss scaling)",
 }
 # What checkpoints from before the order was recorded trained in (and raw text always is)
 CORPUS_ORDER = {"shuffled": False}
@@ -87,6 +91,8 @@ def run_identity(config: PretrainConfig, model_config, tokenizer, world_size: in
         "train_data": data_identity(config.train_files) if config.train_mixture is None else mixture_identity(config),
         "text_field": config.text_field,
         "train_order": train_order(config),
+        "document_masking": config.document_masking,
+        "precision": "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32",
     }
 
 
@@ -138,6 +144,34 @@ def identity_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str
         else:
             limit = None if key == "train_data" else 80
             changes.append(f"{key}: {_short(saved[key], limit)} -> {_short(current[key], limit)} ({meaning})")
+    return changes
+
+
+LAUNCH_KEYS = ("resume_from_checkpoint", "overwrite_output_dir")  # how this launch starts, not what the run is
+
+
+def changes_line(checkpoint: Path, current: dict[str, Any]) -> tuple[int, str]:
+    """(log level, line) saying what of the recipe differs from `checkpoint`'s: a warning when anything does."""
+    try:
+        saved = checkpointing.read_config(checkpoint)
+    except (OSError, yaml.YAMLError):  # a checkpoint that predates its recipe copy: nothing to compare
+        return logging.INFO, f"resume: {checkpoint.name} holds no recipe to compare with"
+    changed = config_changes({k: v for k, v in (saved or {}).items() if k not in LAUNCH_KEYS},
+                             {k: v for k, v in current.items() if k not in LAUNCH_KEYS})  # fmt: skip
+    level = logging.WARNING if changed else logging.INFO
+    return level, f"resume: recipe changed since {checkpoint.name}: {'; '.join(changed) or 'nothing'}"
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """Each recipe key whose value differs from the checkpoint's resolved recipe (`learning_rate: 0.0001 -> 8e-05`),
+    nested keys dotted: what a resume applies of an edited recipe or a forgotten flag, said at its start."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        before, after = saved.get(key), current.get(key)
+        if isinstance(before, dict) and isinstance(after, dict):
+            changes += config_changes(before, after, f"{prefix}{key}.")
+        elif before != after:
+            changes.append(f"{prefix}{key}: {_short(before)} -> {_short(after)}")
     return changes
 
 

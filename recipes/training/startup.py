@@ -394,6 +394,8 @@ def checked_launch(config: PretrainConfig, accelerator, ds_config, lock, signals
         if problem:
             raise ConfigError(problem)
     if accelerator.is_main_process:
+        if resume_from:  # what the run identity lets change is applied: said, so that it is never a surprise
+            logger.log(*resume.changes_line(resume_from, config.to_dict()))
         logger.log(*data_passes(config, data, world))
     # on the main process, and an error there stops every rank
     on_main_process(lambda: output_dir.prepare(config, ds_config, inputs.tokenizer), catch=(ConfigError,))

@@ -26,6 +26,7 @@ from recipes.training.checkpointing import Checkpointer, read_config, read_manif
 from recipes.training.interface import Control, StepResult, StepWindow
 from recipes.training.model import (
     group_hyperparameters,
+    hyperparameter_changes,
     replay_cpu_adam_bias_correction,
     restore_group_hyperparameters,
 )
@@ -191,9 +192,15 @@ class Trainer:
         same_world = self.checkpointer.load(path, skip)
         if self._launch is not None:
             self.state.launches, self.state.loss_spike_rollbacks = counts
+        # the recipe's, not the checkpoint's: the load puts the saved groups back whole (a lowered weight_decay was
+        # ignored at the same world size, taken at the next change of it), and universal/'s loader gives every group
+        # the first's; before the replay, which reads CPU Adam's own keys
+        changed = hyperparameter_changes(group_hyperparameters(self.optimizer), hyperparameters)
+        restore_group_hyperparameters(self.optimizer, hyperparameters)
+        if changed and same_world and self.accelerator.is_main_process:
+            logger.warning("resume: the recipe's optimizer settings, not %s's: %s", path.name, "; ".join(changed))
         replay_cpu_adam_bias_correction(self.optimizer)
-        if not same_world:  # loaded from universal/, whose loader gives every group the first group's values
-            restore_group_hyperparameters(self.optimizer, hyperparameters)
+        if not same_world:
             from accelerate.utils import set_seed
 
             set_seed(self.config.seed + self.state.step)
