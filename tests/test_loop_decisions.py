@@ -184,3 +184,19 @@ def test_a_resume_says_what_of_the_recipe_changed_and_takes_the_recipes_optimize
     assert [group["weight_decay"] for group in after.param_groups] == [0.05, 0.0] and after.param_groups[0][
         "eps"
     ] == 1e-6
+
+
+def test_a_raw_text_resume_with_another_micro_batch_and_several_workers_is_refused():
+    """The global batch was pinned, so micro 4 x accumulation 2 resumed as 8 x 1 passed every check; with 2
+    dataloader workers taking turns by micro-batch, the position then trained 4 of the next 24 rows twice and
+    skipped 4 (the natural fix after an out-of-memory error)."""
+    from recipes.training.train_data import DataKind, TrainData
+
+    launch = types.SimpleNamespace(world=2, num_workers=2, micro_batch=8, sharding="file")
+    saved = {"kind": DataKind.STREAM.value, "world_size": 2, "dataloader_num_workers": 2, "sharding": "file"}
+    problem = TrainData.resume_problem(launch, {**saved, "micro_batch": 4})
+    assert problem.startswith("per_device_train_batch_size 4 -> 8: dataloader workers take turns by micro-batch")
+    assert TrainData.resume_problem(launch, {**saved, "micro_batch": 8}) is None
+    assert TrainData.resume_problem(launch, saved) is None, "a position from before it was recorded"
+    one_worker = types.SimpleNamespace(**{**vars(launch), "num_workers": 1})
+    assert TrainData.resume_problem(one_worker, {**saved, "dataloader_num_workers": 1, "micro_batch": 4}) is None

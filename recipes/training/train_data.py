@@ -224,6 +224,7 @@ class TrainData:
                 logger.info("train data: raw text is trained in file order (shuffle_train_rows applies to "
                             "preprocessed directories: python -m data_prep.preprocess)")  # fmt: skip
         self.num_workers = config.dataloader_num_workers
+        self.micro_batch = config.per_device_train_batch_size  # raw text: workers take turns by micro-batch
         self.num_epochs = config.num_train_epochs
         self.loader = build_loader(source, config, tokenizer, rank, world)
         if self.steps_per_epoch == 0:
@@ -323,6 +324,7 @@ class TrainData:
             "world_size": self.world,
             "dataloader_num_workers": self.num_workers,
             "sharding": self.sharding,
+            "micro_batch": self.micro_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -350,6 +352,13 @@ class TrainData:
             return (
                 f"it was written with dataloader_num_workers={workers}; the data position depends on it, so "
                 f"resume with the same value (this launch: {self.num_workers})"
+            )
+        saved_micro = state.get("micro_batch", self.micro_batch)  # not recorded before: nothing to compare
+        if self.num_workers > 1 and saved_micro != self.micro_batch:  # one worker, or none, reads in file order
+            return (
+                f"per_device_train_batch_size {saved_micro} -> {self.micro_batch}: dataloader workers take turns by "
+                "micro-batch, so the raw-text position would train some rows twice and skip others; resume with "
+                f"{saved_micro}, or train from a preprocessed directory"
             )
         saved_sharding = state.get("sharding", "record")  # checkpoints from before file sharding used records
         if saved_sharding != self.sharding:
