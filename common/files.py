@@ -82,6 +82,11 @@ def replace_directory(staging: Path, target: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def tree_bytes(directory: Path) -> int:
+    """The bytes of the files under `directory` (what removing it frees)."""
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
 def replaced_aside(target: Path) -> Path:
     return target.with_name(f".{target.name}.replaced")
 
@@ -91,7 +96,7 @@ def restore_replaced(aside: Path, whole: Callable[[Path], bool] = lambda path: T
     place and it is `whole` (a deletion that failed part-way leaves one that is not), else removed. Returns the
     path it has now, its bytes, and whether it was put back."""
     target = aside.with_name(aside.name.removeprefix(".").removesuffix(".replaced"))
-    size = sum(path.stat().st_size for path in aside.rglob("*") if path.is_file())
+    size = tree_bytes(aside)
     if not target.exists() and whole(aside):
         os.replace(aside, target)
         return target, size, True

@@ -102,17 +102,30 @@ def test_shards_cover_many_short_files_and_parquet(tmp_path, num_shards):
         assert max(map(len, shards)) - min(map(len, shards)) <= 3
 
 
+def numbered_files(directory, files: int, documents: int) -> list[str]:
+    """`files` jsonl files of `documents` documents each, "file F doc I"."""
+    paths = []
+    for f in range(files):
+        path = directory / f"part-{f}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"file {f} doc {i}"}) + "\n" for i in range(documents)))
+        paths.append(str(path))
+    return paths
+
+
+def files_opened(monkeypatch) -> list[str]:
+    """The files the stream opens from now on, in order."""
+    import data_prep.packing.stream as stream
+
+    opened, original = [], stream.iter_source_texts
+    monkeypatch.setattr(stream, "iter_source_texts", lambda source, *a: opened.append(source) or original(source, *a))
+    return opened
+
+
 def test_with_enough_files_each_reader_opens_only_its_own(tmp_path, monkeypatch):
     import data_prep.packing.stream as stream
 
-    paths = []
-    for f in range(6):
-        path = tmp_path / f"part-{f}.jsonl"
-        path.write_text("".join(json.dumps({"text": f"file {f} doc {i}"}) + "\n" for i in range(10)))
-        paths.append(str(path))
-    opened = []
-    original = stream.iter_source_texts
-    monkeypatch.setattr(stream, "iter_source_texts", lambda source, *a: opened.append(source) or original(source, *a))
+    paths = numbered_files(tmp_path, 6, 10)
+    opened = files_opened(monkeypatch)
     shards = [list(shard_documents(paths, "text", shard, 3)) for shard in range(3)]
     assert sorted(itertools.chain.from_iterable(shards)) == sorted(
         f"file {f} doc {i}" for f in range(6) for i in range(10)
@@ -126,11 +139,7 @@ def test_files_that_do_not_divide_among_the_readers_are_shared_by_record_so_none
     so one file in nine (53 % of the corpus with 15 files) was never trained on, silently."""
     from data_prep.packing.stream import sharding
 
-    paths = []
-    for f in range(9):
-        path = tmp_path / f"part-{f}.jsonl"
-        path.write_text("".join(json.dumps({"text": f"file {f} doc {i}"}) + "\n" for i in range(40)))
-        paths.append(str(path))
+    paths = numbered_files(tmp_path, 9, 40)
     assert sharding(9, 8) == "file+record" and sharding(16, 8) == "file" and sharding(5, 8) == "record"
     counts = [len(list(shard_documents(paths, "text", shard, 8))) for shard in range(8)]
     assert sum(counts) == 9 * 40 and max(counts) - min(counts) <= 1, counts
@@ -141,16 +150,9 @@ def test_files_that_do_not_divide_among_the_readers_are_shared_by_record_so_none
 def test_only_the_remainder_of_the_files_is_read_by_every_reader(tmp_path, monkeypatch):
     """Sharing every file by record when the count did not divide evenly had each of 16 readers read all 17 files
     (272 opens where 17 + 16 do)."""
-    import data_prep.packing.stream as stream
 
-    paths = []
-    for f in range(17):
-        path = tmp_path / f"part-{f}.jsonl"
-        path.write_text("".join(json.dumps({"text": f"file {f} doc {i}"}) + "\n" for i in range(4)))
-        paths.append(str(path))
-    opened = []
-    original = stream.iter_source_texts
-    monkeypatch.setattr(stream, "iter_source_texts", lambda source, *a: opened.append(source) or original(source, *a))
+    paths = numbered_files(tmp_path, 17, 4)
+    opened = files_opened(monkeypatch)
     for shard in range(16):
         list(shard_documents(paths, "text", shard, 16))
     assert len(opened) == 16 + 16 and opened.count(paths[-1]) == 16 and opened.count(paths[0]) == 1

@@ -203,18 +203,9 @@ def test_packed_rows_refuse_another_tokenizer_or_length(preprocessed, corpus, tm
         rows.check_matches(tokenizer, "other", SEQ)
 
 
-def test_a_resume_refuses_an_input_changed_under_the_same_name(tmp_path, corpus, monkeypatch):
-    """Re-shuffled in place after a kill (the docs advise shuffling), the same command used to resume into another
-    file's positions: exit 0, "resumed", 657 of 862 documents, the rest silently lost."""
-    import random
-
+def interrupted_after_the_first_save(corpus, source, out, monkeypatch, **arguments) -> None:
+    """Preprocess `source` into `out`, killed (an exception) right after its first saved progress."""
     from data_prep.preprocessing import pipeline
-
-    paragraphs = [p for text in iter_texts(corpus["train"]) for p in text.split("\n\n") if p.strip()]
-    source = tmp_path / "paragraphs.jsonl"
-    lines = [json.dumps({"text": p}) + "\n" for p in paragraphs]
-    source.write_text("".join(lines))
-    out, arguments = tmp_path / "out", dict(seq_len=SEQ, num_workers=1, rows_per_shard=150, log=lambda _: None)
 
     class Killed(Exception):
         pass
@@ -224,10 +215,23 @@ def test_a_resume_refuses_an_input_changed_under_the_same_name(tmp_path, corpus,
         raise Killed
 
     save_progress = pipeline.save_progress
-    monkeypatch.setattr(pipeline, "save_progress", killed_after_the_first_save)
-    with pytest.raises(Killed):
-        preprocess(str(corpus["tokenizer"]), [str(source)], str(out), **arguments)
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "save_progress", killed_after_the_first_save)
+        with pytest.raises(Killed):
+            preprocess(str(corpus["tokenizer"]), [str(source)], str(out), **arguments)
+
+
+def test_a_resume_refuses_an_input_changed_under_the_same_name(tmp_path, corpus, monkeypatch):
+    """Re-shuffled in place after a kill (the docs advise shuffling), the same command used to resume into another
+    file's positions: exit 0, "resumed", 657 of 862 documents, the rest silently lost."""
+    import random
+
+    paragraphs = [p for text in iter_texts(corpus["train"]) for p in text.split("\n\n") if p.strip()]
+    source = tmp_path / "paragraphs.jsonl"
+    lines = [json.dumps({"text": p}) + "\n" for p in paragraphs]
+    source.write_text("".join(lines))
+    out, arguments = tmp_path / "out", dict(seq_len=SEQ, num_workers=1, rows_per_shard=150, log=lambda _: None)
+    interrupted_after_the_first_save(corpus, source, out, monkeypatch, **arguments)
     with pytest.raises(
         PreprocessError, match="rows_per_shard is 150 there, 99 now.*to continue it, run the command it"
     ):
@@ -298,22 +302,10 @@ def test_an_interrupted_output_of_the_version_that_read_special_strings_as_token
 ):
     """Its shards so far read `<|endoftext|>` in a document as EOS; continued, the rest would read it as text, and
     the manifest would say text for all of it."""
-    from data_prep.preprocessing import pipeline
     from data_prep.preprocessing.progress import PROGRESS_DIR, PROGRESS_FILE
 
-    class Killed(Exception):
-        pass
-
-    def killed_after_the_first_save(*args, **kwargs):
-        save_progress(*args, **kwargs)
-        raise Killed
-
-    save_progress = pipeline.save_progress
-    monkeypatch.setattr(pipeline, "save_progress", killed_after_the_first_save)
     arguments = dict(seq_len=SEQ, num_workers=1, rows_per_shard=150, log=lambda _: None)
-    with pytest.raises(Killed):
-        preprocess(str(corpus["tokenizer"]), [str(corpus["train"])], str(tmp_path / "out"), **arguments)
-    monkeypatch.undo()
+    interrupted_after_the_first_save(corpus, corpus["train"], tmp_path / "out", monkeypatch, **arguments)
     state = tmp_path / "out" / PROGRESS_DIR / PROGRESS_FILE
     with np.load(state) as saved:
         record, carry, open_tokens = json.loads(str(saved["state"])), saved["carry"], saved["open_tokens"]

@@ -14,6 +14,9 @@ from data_prep.tokenizer.loading import plain_backend
 FORMAT_VERSION = 1
 SHARD_DIR = "data"
 MANIFEST = "manifest.json"  # written last: its presence means the directory is complete
+# How a special token's string inside a document is tokenized (as text: only the EOS packing appends is special),
+# recorded in a manifest and a preprocessing's progress under this key
+SPECIAL_TOKENS_IN_TEXT = ("special_tokens_in_text", "text")
 EXAMPLES_PER_REASON = 5  # file:line examples a manifest keeps for each kind of skipped record
 
 

@@ -34,7 +34,14 @@ from common.files import (
     sync_tree,
 )
 from common.lock import LOCK_FILE, DirectoryLock, LockedError
-from data_prep.packing.format import EXAMPLES_PER_REASON, MANIFEST, SHARD_DIR, is_shard_file, shard_name
+from data_prep.packing.format import (
+    EXAMPLES_PER_REASON,
+    MANIFEST,
+    SHARD_DIR,
+    SPECIAL_TOKENS_IN_TEXT,
+    is_shard_file,
+    shard_name,
+)
 from data_prep.preprocessing.report import CorpusStats, summary, write_report
 
 MERGING = ".merging"  # written before a merge places its first shard, removed after its manifest
@@ -241,8 +248,8 @@ def merged_manifest(manifests: list[dict], shards: list[dict], part_paths: list[
     return {
         **{key: first[key] for key in ("seq_len", "dtype", "tokenizer")},
         **(
-            {"special_tokens_in_text": "text"}
-            if all(m.get("special_tokens_in_text") == "text" for m in manifests)
+            dict([SPECIAL_TOKENS_IN_TEXT])
+            if all(m.get(SPECIAL_TOKENS_IN_TEXT[0]) == SPECIAL_TOKENS_IN_TEXT[1] for m in manifests)
             else {}
         ),  # fmt: skip
         **totals,

@@ -21,6 +21,7 @@ from common.lock import DirectoryLock, LockedError
 from data_prep.packing.format import (
     FORMAT_VERSION,
     MANIFEST,
+    SPECIAL_TOKENS_IN_TEXT,
     token_dtype,
     tokenizer_identity,
 )
@@ -426,7 +427,7 @@ def build_manifest(settings: dict, progress: Progress, packer: Packer, num_worke
         "dtype": packer.writer.dtype.name,
         "tokenizer": settings["tokenizer"],
         # not a setting: outputs made before it (when such a string was the token) are still complete and merge
-        "special_tokens_in_text": "text",
+        **dict([SPECIAL_TOKENS_IN_TEXT]),
         "dropped_tail_tokens": int(len(packer.carry)),
         "skipped": progress.skipped,
         "skipped_examples": {reason: lines for reason, lines in progress.skipped_examples.items() if lines},

@@ -17,6 +17,7 @@ from data_prep.packing.format import (
     EXAMPLES_PER_REASON,
     MANIFEST,
     SHARD_DIR,
+    SPECIAL_TOKENS_IN_TEXT,
     is_shard_file,
 )
 from data_prep.packing.rows import MAX_DOCUMENT_CHARS
@@ -102,9 +103,6 @@ class Saved(NamedTuple):
     seen: np.ndarray
 
 
-SPECIAL_TOKENS_KEY = "special_tokens_in_text"  # "text": a special token's string in a document is read as text
-
-
 def load_progress(out: Path, settings: dict) -> Saved | None:
     """Where an interrupted run over the same settings stopped; None when the output is already complete.
     Refuses an output made with other settings, and a directory that holds anything else."""
@@ -118,7 +116,9 @@ def load_progress(out: Path, settings: dict) -> Saved | None:
             record, carry = json.loads(str(saved["state"])), saved["carry"]
             open_tokens = saved.get("open_tokens", empty)
         _refuse_other_settings(out, record["settings"], settings, complete=False)
-        if record.get(SPECIAL_TOKENS_KEY) != "text":  # its shards so far would disagree with the rest
+        if (
+            record.get(SPECIAL_TOKENS_IN_TEXT[0]) != SPECIAL_TOKENS_IN_TEXT[1]
+        ):  # its shards so far would disagree with the rest
             raise PreprocessError(f"{out} was started by a version that read a special token's string inside a "
                                   "document as that token; this one reads it as text: finish it with that version, "
                                   "or start over in a new --output")  # fmt: skip
@@ -202,7 +202,7 @@ def save_progress(out: Path, settings: dict, progress: Progress, carry: np.ndarr
             handle.write(new_hashes.astype(np.uint64).tobytes())
             handle.flush()
             os.fsync(handle.fileno())
-    state = json.dumps({"settings": settings, "progress": asdict(progress), SPECIAL_TOKENS_KEY: "text"})
+    state = json.dumps({"settings": settings, "progress": asdict(progress), **dict([SPECIAL_TOKENS_IN_TEXT])})
     atomic_write(
         directory / PROGRESS_FILE,
         lambda handle: np.savez(handle, state=np.array(state), carry=carry, open_tokens=open_tokens),

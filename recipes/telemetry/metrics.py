@@ -16,6 +16,7 @@ import torch
 
 from common.files import atomic_write_text
 from common.process import peak_rss_bytes
+from recipes.telemetry import trackers
 
 
 def tokens_per_second(tokens_all_ranks: int, seconds: float) -> float:
@@ -73,8 +74,6 @@ class MetricsWriter:
         if self.trackers is not None:
             numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             if numbers:
-                from recipes.telemetry import trackers
-
                 trackers.log(self.trackers.trackers, numbers, step)
 
     def live(self, values: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from common.collectives import on_main_process
-from common.files import replace_directory, replaced_aside, restore_replaced, sync_tree
+from common.files import replace_directory, replaced_aside, restore_replaced, sync_tree, tree_bytes
 from common.lock import DirectoryLock, FileLock, LockedError, describe
 from recipes.config import ConfigError, PretrainConfig
 from recipes.training import checkpointing, elastic
@@ -163,10 +163,6 @@ def kept_aside(output_dir: Path) -> list[tuple[Path, int]]:
         output_dir.glob("checkpoint-*/universal.damaged*")
     )
     return [(path, tree_bytes(path)) for path in found if path.is_dir()]
-
-
-def tree_bytes(directory: Path) -> int:
-    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
 
 
 def remove_tree(directory: Path) -> int:
