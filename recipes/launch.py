@@ -12,6 +12,9 @@ signals the ranks and SIGKILLs them 30 s later, before a 70B save (~233 s) can f
 - on SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) signals the ranks alone, so they save at the next step boundary and exit
   0 (the launcher runs in a session of its own: a terminal's Ctrl-C reaches the wrapper only); a second SIGINT
   kills the whole launch at once;
+- keeps torchrun from acting on a SIGTERM of its own: Slurm's preemption and `scancel` signal every process of a
+  job step, torchrun too, which then killed the ranks 30 s later, mid-save; the ranks got the signal as well, and
+  Slurm's grace time, not torchrun's 30 s, now bounds their save;
 - passes every line of output through as it comes, except torchrun's `ChildFailedError` traceback, which it
   replaces with one line naming each rank's code (a rank's own traceback is kept).
 """
@@ -182,6 +185,24 @@ def signal_ranks(launcher_pid: int, sig: int) -> int:
     return len(below)
 
 
+# torchrun stops the ranks on each signal its --signals-to-handle names (PET_SIGNALS_TO_HANDLE), SIGKILL 30 s later.
+# Left out of that list, SIGTERM would end the launcher at once (its default action), so the launcher gets a handler
+# that does nothing: a Python handler, not SIG_IGN, because an exec resets a handler but keeps SIG_IGN, and the ranks
+# must start with SIGTERM's default action until they install their own (a rank ignoring an early one would train on).
+LAUNCHER_PROGRAM = ("import signal, sys; signal.signal(signal.SIGTERM, lambda signum, frame: None); "
+            "sys.argv[0] = 'accelerate launch'; from accelerate.commands.launch import main; main()")  # fmt: skip
+
+
+TORCHRUN_SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"  # torchrun's default for --signals-to-handle
+
+
+def torchrun_signals(environ: dict[str, str]) -> str:
+    """The signals torchrun may act on: the caller's choice, or torchrun's default, less SIGTERM."""
+    named = environ.get(TORCHRUN_SIGNALS_ENV, "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
+    kept = ",".join(name.strip() for name in named if name.strip() and name.strip() != "SIGTERM")
+    return kept or "SIGINT"  # torchrun reads an empty list as one signal named "" (a warning)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -190,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     from common.process import die_with_parent, kill_tree
 
     with tempfile.TemporaryDirectory(prefix="pretrain-exit-") as codes_dir:
-        env = {**os.environ, EXIT_CODE_DIR_ENV: codes_dir}
-        launcher = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", *argv], env=env,
+        env = {**os.environ, EXIT_CODE_DIR_ENV: codes_dir, TORCHRUN_SIGNALS_ENV: torchrun_signals(os.environ)}
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_PROGRAM, *argv], env=env,
                                     stderr=subprocess.PIPE, start_new_session=True,
                                     preexec_fn=die_with_parent)  # fmt: skip
         interrupts = []

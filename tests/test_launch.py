@@ -7,9 +7,10 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
-from recipes.launch import LauncherTracebackFilter, local_ranks_of, run_exit_code
+from recipes.launch import LauncherTracebackFilter, local_ranks_of, run_exit_code, torchrun_signals
 from tests.conftest import CPU_ACCELERATE_CONFIG, LAUNCH_ENV, REFERENCE_RUN, REPO, free_port, start, tiny_overrides
 
 PRETRAIN = REPO / "recipes/pretrain.py"
@@ -91,9 +92,10 @@ def test_a_bad_input_through_the_launcher_is_one_line_and_exit_2(tmp_path, corpu
     assert last.startswith("launch: exit 2 (bad input); the ranks' codes: rank ") and re.search(r"rank \d+: 2\b", last)
 
 
-def terminated_once_logged(tmp_path, corpus, output_dir, line: str, signals=(signal.SIGTERM,), code=0) -> str:
-    """The log of a wrapped run of the tiny recipe sent `signals` as soon as it logs `line`; it must exit `code`
-    (None: any code but 0)."""
+def terminated_once_logged(tmp_path, corpus, output_dir, line: str, signals=(signal.SIGTERM,), code=0,
+                           every_process=False) -> str:  # fmt: skip
+    """The log of a wrapped run of the tiny recipe sent `signals` as soon as it logs `line` (to the wrapper, or to
+    every process of the launch, as Slurm does); it must exit `code` (None: any code but 0)."""
     log_path = tmp_path / "log.txt"
     with open(log_path, "w") as log:
         job = start(wrapped(tiny_overrides(corpus, output_dir, **{**REFERENCE_RUN, "max_steps": 400})), stdout=log,
@@ -103,7 +105,9 @@ def terminated_once_logged(tmp_path, corpus, output_dir, line: str, signals=(sig
             assert job.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.02)
         for number in signals:
-            job.send_signal(number)
+            for process in [psutil.Process(job.pid)] + (psutil.Process(job.pid).children(recursive=True)
+                                                        if every_process else []):  # fmt: skip
+                process.send_signal(number)
             time.sleep(0.5)
         returned = job.wait(timeout=180)
         assert returned == code if code is not None else returned != 0, log_path.read_text()[-3000:]
@@ -126,6 +130,23 @@ def test_ctrl_c_to_the_launch_saves_and_exits_0_and_a_second_one_stops_unsaved(t
     log = terminated_once_logged(tmp_path / "twice", corpus, tmp_path / "twice" / "run", "INFO pretrain: preflight",
                                  signals=[signal.SIGINT, signal.SIGINT], code=None)  # fmt: skip
     assert "launch: SIGINT: asked" in log and "training stopped" not in log, log[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_sigterm_to_every_process_of_the_launch_lets_the_ranks_save(tmp_path, corpus):
+    """Slurm's preemption and `scancel` signal every process of a job step: the wrapper, torchrun, the ranks, their
+    dataloader workers. torchrun acted on its copy: it signalled the ranks and SIGKILLed them 30 s later, mid-save at
+    70B (~233 s). It leaves SIGTERM to the ranks now, which save, and the launch exits 0."""
+    output_dir = tmp_path / "run"
+    log = terminated_once_logged(tmp_path, corpus, output_dir, "INFO pretrain: loss", every_process=True)
+    assert "stop signal (SIGTERM/SIGUSR1): saved and exited" in log and "death signal" not in log, log[-3000:]
+    assert (output_dir / "latest").read_text().startswith("checkpoint-")
+
+
+def test_torchrun_is_never_given_sigterm_to_act_on():
+    assert torchrun_signals({}) == "SIGINT,SIGHUP,SIGQUIT"
+    assert torchrun_signals({"PET_SIGNALS_TO_HANDLE": "SIGUSR2, SIGTERM"}) == "SIGUSR2"
+    assert torchrun_signals({"PET_SIGNALS_TO_HANDLE": "SIGTERM"}) == "SIGINT"
 
 
 @pytest.mark.multiprocess

@@ -14,8 +14,8 @@ RANK_PATTERN='python[^ ]* -u [^ ]*recipes/pretrain\.py'
 # Set first: a signal during the minute of set-up below (scontrol, recipes.nodes) would end the batch shell.
 training_pid=""  # set once the ranks' step is started (a signal before then has nothing to save)
 # --signal=B:USR1@600 lands here, in the batch shell. Signal only the training ranks: their
-# handler saves a checkpoint at the next step boundary and exits 0. Signalling torchrun instead
-# would make it kill the ranks after 30 s, too soon for a ~1 TB save.
+# handler saves a checkpoint at the next step boundary and exits 0. (torchrun, under recipes.launch,
+# ignores SIGTERM: bare, it would kill the ranks 30 s later, too soon for a ~1 TB save.)
 save_and_requeue() {
   if [ -z "$training_pid" ]; then  # nothing to save, and too little time left to start: the next start goes on
     echo "$(date -Is) time limit near before the ranks started: requeueing job $SLURM_JOB_ID"
