@@ -51,6 +51,19 @@ def test_writer_and_plot(tmp_path):
     json.dumps(records)
 
 
+def test_an_overflow_steps_infinite_norm_is_written_as_strict_json(tmp_path):
+    """An fp16 overflow step's gradient norm is inf: Python's json wrote `Infinity`, which strict readers refuse
+    (docs/training.md: null)."""
+    writer = metrics.MetricsWriter(tmp_path, enabled=True)
+    writer.write(1, {"loss": 2.5, "grad_norm": float("inf"), "mfu": float("nan")})
+
+    def refuse(word):
+        raise ValueError(f"not JSON: {word}")
+
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=refuse) == {"step": 1, "loss": 2.5, "grad_norm": None, "mfu": None}
+
+
 def test_disabled_writer_writes_nothing(tmp_path):
     writer = metrics.MetricsWriter(tmp_path, enabled=False)
     writer.write(1, {"loss": 1.0})

@@ -7,6 +7,7 @@ already reduced.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,14 @@ def peak_gpu_memory_gb() -> float | None:
     return torch.cuda.max_memory_allocated() / 1e9
 
 
+def strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with each non-finite float as null: JSON has no Infinity or NaN (an fp16 overflow step's gradient
+    norm is inf), and Python's `json` writes them as bare words that jq and JSON.parse refuse."""
+    return {
+        key: None if isinstance(value, float) and not math.isfinite(value) else value for key, value in record.items()
+    }
+
+
 class MetricsWriter:
     """Where the run's numbers go. On the main process: metrics.jsonl (one JSON object per line, the source of
     truth) and the experiment trackers (`accelerator.log`: TensorBoard, wandb, MLflow per `report_to`). On every
@@ -70,7 +79,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         if self.trackers is not None:
             numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             if numbers:
