@@ -151,8 +151,22 @@ def test_every_key_a_warning_names_is_an_argument_of_a_filter():
     assert set(REASON_KEYS.values()) | {"top_n_grams", "dup_n_grams", "min_words_per_line"} <= arguments
 
 
-def test_the_filter_table_in_the_docs_is_the_generated_one_and_lists_every_argument(capsys):
+def test_importing_the_cleaning_cli_leaves_the_processs_hub_setting_alone():
+    """It set HF_HUB_OFFLINE=1 at import, for anything else in the process (an evaluation then refused hub tasks)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
+    code = "import os, data_prep.quality.cleaning.cli; print(os.environ.get('HF_HUB_OFFLINE'))"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "None"
+
+
+def test_the_filter_table_in_the_docs_is_the_generated_one_and_lists_every_argument(capsys, monkeypatch):
     from data_prep.quality.cleaning.cli import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # main sets it: not for the tests after this one
     from data_prep.quality.cleaning.config import FILTER_CLASSES, NOT_SETTABLE, filter_class
 
     generated = filters_table()

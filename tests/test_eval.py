@@ -22,7 +22,7 @@ from eval.run import main as run_main
 
 @pytest.fixture(autouse=True)
 def online(monkeypatch):
-    """The checks refuse hub tasks offline; data_prep's cleaning CLI sets HF_HUB_OFFLINE when a test imports it, for
+    """The checks refuse hub tasks offline; data_prep's cleaning CLI sets HF_HUB_OFFLINE when a test runs its main, for
     the rest of the test process. Tests that ask for offline set it themselves."""
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(name, raising=False)

@@ -27,12 +27,15 @@ import sys
 import time
 from pathlib import Path
 
-# Before datatrove (and huggingface_hub under it) is imported: nothing in this stage may reach the network.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
+from common.exit_codes import OneLineParser
+from data_prep.quality.cleaning.config import PRESETS  # yaml only: datatrove is imported in main, offline
 
-from common.exit_codes import OneLineParser  # noqa: E402
-from data_prep.quality.cleaning.config import PRESETS  # noqa: E402 (yaml only: datatrove is imported later, offline)
+
+def stay_offline() -> None:
+    """Before datatrove (and huggingface_hub under it) is imported: nothing in this stage may reach the network. In
+    main, not at import: a process that imports this module for one function keeps its own hub setting."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -213,6 +216,7 @@ def finish(job, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stay_offline()
     args = parse(argv)
     try:
         import datatrove  # noqa: F401
