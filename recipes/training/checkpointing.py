@@ -27,6 +27,7 @@ import yaml
 from common.collectives import main_process_view, ranks_where
 from common.files import atomic_write_text, replace_directory, sha256_of, sync_tree
 from common.lock import held_by_someone
+from recipes.training.mapped_load import mapped_loads
 
 logger = logging.getLogger("pretrain")
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
@@ -34,8 +35,7 @@ RANK_FILE_PATTERN = re.compile(r"(?:rank_|random_states_)(\d+)")
 MANIFEST = "manifest.json"
 LATEST = "latest"
 RESOLVED_CONFIG = "config.yaml"
-# The run's own copy of the tokenizer it trains with, in output_dir: what an export from disk uses by default, since
-# the directory it was loaded from may be trained into again once the run has ended
+# The run's own copy of its tokenizer, in output_dir: an export from disk uses it by default (its source may change)
 TOKENIZER_COPY = "tokenizer"
 TRAINER_STATE = "trainer_state.json"  # run state and data position, written by the main process
 MIN_KEPT = 2
@@ -436,7 +436,8 @@ class Checkpointer:
         self.engine._config.load_universal_checkpoint = not same_world
         self.progress()
         if same_world:
-            self.accelerator.load_state(str(path))  # every rank loads its own shards and RNG states
+            with mapped_loads(self.engine):  # a resume's host peak is the steady state's (recipes.training.mapped_load)
+                self.accelerator.load_state(str(path))  # every rank loads its own shards and RNG states
         else:
             self.engine.load_checkpoint(str(path / UNIVERSAL_DIR), tag="pytorch_model")
         self.progress()
