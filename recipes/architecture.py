@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+# LlamaConfig's default, for a `model_config` that does not set it (tests/test_plan.py pins it to transformers').
+DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
+
 
 def _per_layer(shape: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
     """(how many, parameters each) of one decoder layer's modules with weights, by the Llama class that holds them."""

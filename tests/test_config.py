@@ -20,12 +20,15 @@ RECIPES = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
 SPEC_RECIPES = {"llama70b_a800x8.yaml": 8, "llama70b_a800x16.yaml": 16}
 
 
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
 def minimal(**extra):
     return {
         "output_dir": "out",
         "tokenizer_name_or_path": "tok",
         "train_files": ["a.jsonl"],
-        "model_config": {"hidden_size": 64},
+        "model_config": dict(SHAPE),
         "max_steps": 10,
         "lr_scheduler_kwargs": {"min_lr": 0.0},
         **extra,
@@ -144,6 +147,19 @@ def test_yaml_exponent_floats_without_dot_are_numbers():
         (minimal(zero3_leaf_modules=["Llama Decoder"]), ["zero3_leaf_modules", "'Llama Decoder'", "not a class name"]),
         (minimal(zero3_leaf_modules=["LlamaMLP", "LlamaMLP"]), ["zero3_leaf_modules", "more than once"]),
         (minimal(zero3_leaf_modules={"LlamaMLP": 1}), ["zero3_leaf_modules", "expected a list"]),
+        # a from-scratch shape without a size key trained LlamaConfig's default (a 7B shape) without a word
+        *[
+            (
+                minimal(model_config={k: v for k, v in SHAPE.items() if k != key}),
+                [f"model_config has no {key}", "model_name_or_path"],
+            )
+            for key in SHAPE
+        ],
+        (minimal(max_steps=-1, total_tokens=float("inf")), ["total_tokens", "expected int, got inf"]),
+        (minimal(dataloader_num_workers=-1), ["dataloader_num_workers", ">= 0"]),
+        (minimal(global_batch_size=-128), ["global_batch_size", ">= 1"]),
+        (minimal(global_batch_size=0), ["global_batch_size", ">= 1"]),
+        (minimal(hardware={"mfu": "x"}), ["hardware.mfu", "expected float"]),
     ],
 )
 def test_bad_values_name_the_fields(raw, names):
@@ -193,6 +209,15 @@ def test_model_rules_name_the_fields():
     with pytest.raises(ConfigError, match="vocab_size 32000 is smaller than the tokenizer's 32005"):
         validate_against_model(config, vocab_size=32000, tokenizer_size=32005, max_positions=4096)
     validate_against_model(config, vocab_size=32000, tokenizer_size=32000, max_positions=2048)
+    validate_against_model(config, vocab_size=32000, max_positions=2048)  # the planner: no tokenizer read
+
+
+def test_a_model_directory_needs_no_shape_and_hardware_numbers_are_numbers():
+    """model_name_or_path brings its own shape (the planner reads its config.json); PyYAML loads `1e3` as a string."""
+    config = config_from_dict(minimal(model_config={}, model_name_or_path="ckpt/final"))
+    assert config.model_config == {}
+    config = config_from_dict(minimal(hardware={"gpus": "8", "intra_node_gb_s": "1e3", "gpu_memory_gb": None}))
+    assert config.hardware == {"gpus": 8, "intra_node_gb_s": 1000.0, "gpu_memory_gb": None}
 
 
 def test_missing_config_file_is_named(tmp_path):
@@ -201,7 +226,7 @@ def test_missing_config_file_is_named(tmp_path):
 
 
 def test_model_config_values_are_coerced_to_their_types():
-    config = config_from_dict(minimal(model_config={"hidden_size": "64", "rms_norm_eps": "1e-5"}))
+    config = config_from_dict(minimal(model_config={**SHAPE, "hidden_size": "64", "rms_norm_eps": "1e-5"}))
     assert config.model_config["hidden_size"] == 64 and config.model_config["rms_norm_eps"] == 1e-5
 
 

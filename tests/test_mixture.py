@@ -106,7 +106,8 @@ def test_the_same_rows_on_any_world_size_and_an_exact_resume(two_sources):
 
 
 def test_mixture_config_rules(two_sources):
-    base = {"output_dir": "o", "tokenizer_name_or_path": "t", "model_config": {"hidden_size": 8}, "max_steps": 10,
+    shape = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1}
+    base = {"output_dir": "o", "tokenizer_name_or_path": "t", "model_config": shape, "max_steps": 10,
             "lr_scheduler_type": "cosine"}  # fmt: skip
     mixture = [{"path": str(two_sources[0]), "weight": 0.7}, {"path": str(two_sources[1]), "weight": 0.3}]
     with pytest.raises(ConfigError, match="train_files and train_mixture are both set"):

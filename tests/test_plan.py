@@ -224,7 +224,7 @@ def test_cli_text_and_errors(capsys):
     [
         (["--peak-tflops", "-312"], "--peak-tflops -312.0: must be a positive number"),
         (["--peak-tflops", "0"], "--peak-tflops 0.0: must be a positive number"),
-        (["--peak-tflops", "nan", "--search"], "--peak-tflops nan: must be a positive number"),
+        (["--peak-tflops", "nan", "--search"], "--peak-tflops nan: must be a finite number"),
         (["--gpus", "0"], "--gpus 0: must be a whole number of at least 1"),
         (["--nodes", "-1"], "--nodes -1: must be a whole number of at least 1"),
         (["--gpu-memory-gb", "-80"], "--gpu-memory-gb -80.0: must be a positive number"),
@@ -238,6 +238,63 @@ def test_hardware_outside_its_physical_range_is_refused_in_one_line(capsys, args
     """A negative peak once printed "fits" at -33.7 % MFU and topped --search at -522 %; --gpus 0 divided by zero."""
     assert planner.main(["--config", str(RECIPE_8), *args]) == 2
     assert capsys.readouterr().err.strip() == f"error: {said}"
+
+
+LLAMA_70B = "{hidden_size: 8192, intermediate_size: 28672, num_hidden_layers: 80, num_attention_heads: 64}"
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--model_config", LLAMA_70B.replace("num_hidden_layers: 80, ", "")], "model_config has no num_hidden_layers"),
+        (["--model_config", LLAMA_70B.replace("hidden_size: 8192, ", "")], "model_config has no hidden_size"),
+        (["--total_tokens", ".inf"], "total_tokens: expected int, got inf"),
+        (["--dataloader_num_workers", "-1"], "dataloader_num_workers must be >= 0"),
+        (["--max_seq_length", "8192"], "max_seq_length 8192 exceeds the model's max_position_embeddings 4096"),
+        (
+            ["--model_config", LLAMA_70B, "--max_seq_length", "4096"],
+            "max_seq_length 4096 exceeds the model's max_position_embeddings 2048",
+        ),  # LlamaConfig's default
+        (["--global_batch_size", "-128"], "global_batch_size must be >= 1 or unset, got -128"),
+        (["--hardware.mfu", "2"], "hardware.mfu 2.0 must lie in (0, 1]"),
+        (["--hardware.mfu", "x"], "hardware.mfu: expected float, got 'x'"),
+        (["--hardware.intra_node_gb_s", ".inf"], "hardware.intra_node_gb_s inf: must be a positive number"),
+        (["--hardware.overlap", "2"], "hardware.overlap 2.0: must be in [0, 1]"),
+        (["--mfu", "2"], "--mfu 2.0 must lie in (0, 1]"),
+        (["--days", "nan"], "--days nan: must be a finite number"),
+        (["--days", "inf"], "--days inf: must be a finite number"),
+        (["--target-tokens-per-s", "inf"], "--target-tokens-per-s inf: must be a finite number"),
+        (["--intra-node-gb-s", "inf"], "--intra-node-gb-s inf: must be a finite number"),
+        (["--tokens", "inf", "--days", "10"], "--tokens inf: must be a finite number"),
+    ],
+)
+def test_recipe_values_and_flags_that_cannot_work_are_one_line_naming_them(capsys, args, said):
+    """Each once a traceback (a missing size key, `.inf` tokens), a plan of nonsense (-4 GB of dataloader workers,
+    "nanB tokens", "Launch on -8 processes"), a plan training refuses (max_seq_length past the positions), or a
+    recipe value blamed on a flag never given (`--mfu 2` for `hardware: {mfu: 2}`)."""
+    assert planner.main(["--config", str(RECIPE_8), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {said}") and err.count("\n") == 1, err
+
+
+def test_a_model_directory_without_a_llama_shape_is_named(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # no intermediate_size
+    args = ["--model_name_or_path", str(tmp_path), "--model_config", "{}"]
+    assert planner.main(["--config", str(RECIPE_8), *args]) == 2
+    assert capsys.readouterr().err.startswith(f"error: model_name_or_path {tmp_path}: its config has no intermediate")
+
+
+def test_checkpoint_chunks_longer_than_the_model_are_planned_as_training_cuts_them():
+    """Training cuts 80 layers in chunks of 160 into one chunk of 80 (recipes.training.model): the plan once counted
+    160 layers' activations, twice what it stores."""
+    from recipes.architecture import DEFAULT_MAX_POSITION_EMBEDDINGS
+
+    _, whole = plan_for(RECIPE_8, overrides=["--gradient_checkpointing_layers_per_checkpoint", "80"])
+    _, longer = plan_for(RECIPE_8, overrides=["--gradient_checkpointing_layers_per_checkpoint", "160"])
+    assert longer.per_gpu_memory_gb == whole.per_gpu_memory_gb and longer.step_time_s == whole.step_time_s
+    assert any("layers_per_checkpoint 160 is more than the model's 80 layers" in w for w in longer.warnings)
+    assert not any("layers_per_checkpoint" in w for w in whole.warnings)
+    assert LlamaConfig().max_position_embeddings == DEFAULT_MAX_POSITION_EMBEDDINGS, "the planner's copy of it"
 
 
 @pytest.mark.parametrize(

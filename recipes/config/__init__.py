@@ -8,6 +8,7 @@ by each field's declared type: `learning_rate: 1e-4` and `--learning_rate 8e-5` 
 from recipes.config.checks import (
     elastic_accumulation,
     for_world,
+    missing_model_sizes,
     usable_nodes,
     validate_against_model,
     validate_for_world,
@@ -28,6 +29,6 @@ from recipes.config.parsing import apply_overrides, config_from_dict, load_confi
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "ATTN_MASKING_PATHS", "HARDWARE_KEYS", "MODEL_CONFIG_KEYS", "WIRE_KEYS", "ConfigError",
     "PretrainConfig", "apply_overrides", "config_from_dict", "elastic_accumulation", "for_world", "load_config",
-    "parse_cli", "parse_overrides", "usable_nodes", "validate_against_model", "validate_for_world", "validate_static",
-    "warmup_fraction",
+    "missing_model_sizes", "parse_cli", "parse_overrides", "usable_nodes", "validate_against_model",
+    "validate_for_world", "validate_static", "warmup_fraction",
 ]  # fmt: skip

@@ -13,6 +13,7 @@ from recipes.config.fields import (
     LOSS_SPIKE_ACTIONS,
     LR_SCHEDULER_TYPES,
     MODEL_CONFIG_KEYS,
+    MODEL_SIZE_KEYS,
     REPORT_TO,
     ConfigError,
     PretrainConfig,
@@ -43,6 +44,11 @@ def validate_static(config: PretrainConfig) -> None:
     )
     _validate_training_data(config)
     _validate_optimizer(config)
+    if config.dataloader_num_workers < 0:
+        raise ConfigError(
+            f"dataloader_num_workers must be >= 0 (0 loads batches in the training process), got "
+            f"{config.dataloader_num_workers}"
+        )
     if config.hang_timeout_s is not None and not 0 < config.hang_timeout_s < math.inf:
         raise ConfigError("hang_timeout_s must be a positive number of seconds, or null to turn the watchdog off")
     unknown_trackers = [name for name in config.report_to if name not in REPORT_TO]
@@ -199,6 +205,23 @@ def _validate_model_config(values: dict[str, Any]) -> None:
         )
 
 
+def missing_model_sizes(shape: dict[str, Any]) -> list[str]:
+    """The keys that size a model (MODEL_SIZE_KEYS) that `shape` lacks: the planner can count no parameters without
+    them, and LlamaConfig would fill in its defaults."""
+    return [key for key in MODEL_SIZE_KEYS if shape.get(key) is None]
+
+
+def _validate_hardware(block: dict[str, Any]) -> None:
+    """The `hardware` block's keys, and its numbers as numbers (PyYAML loads `1e3` as a string); their ranges are
+    recipes.planning.hardware's, which names each key as the recipe or the command line gave it."""
+    unknown = set(block) - set(HARDWARE_KEYS)
+    if unknown:
+        raise ConfigError(f"hardware has unknown key(s) {sorted(unknown)}; valid: {', '.join(HARDWARE_KEYS)}")
+    for key, value in block.items():
+        if value is not None and key not in ("profile", "interconnect"):
+            block[key] = coerce(f"hardware.{key}", value, int if key in ("gpus", "nodes") else float)
+
+
 def _validate_model_source(config: PretrainConfig) -> None:
     """model_config or model_name_or_path, hardware, and the global batch against the micro-batch."""
     if config.model_name_or_path and config.model_config:
@@ -209,11 +232,15 @@ def _validate_model_source(config: PretrainConfig) -> None:
     if config.model_name_or_path is None and not config.model_config:
         raise ConfigError("give model_config (a from-scratch Llama shape) or model_name_or_path (a local HF model)")
     _validate_model_config(config.model_config)
-    unknown_hardware_keys = set(config.hardware) - set(HARDWARE_KEYS)
-    if unknown_hardware_keys:
+    missing = missing_model_sizes(config.model_config)
+    if config.model_name_or_path is None and missing:
         raise ConfigError(
-            f"hardware has unknown key(s) {sorted(unknown_hardware_keys)}; valid: {', '.join(HARDWARE_KEYS)}"
+            f"model_config has no {', '.join(missing)}: a from-scratch model needs {', '.join(MODEL_SIZE_KEYS)} "
+            "(LlamaConfig's defaults are a 7B shape), or model_name_or_path (a model directory) instead"
         )
+    _validate_hardware(config.hardware)
+    if config.global_batch_size is not None and config.global_batch_size < 1:
+        raise ConfigError(f"global_batch_size must be >= 1 or unset, got {config.global_batch_size}")
     if config.elastic and config.global_batch_size is None:
         raise ConfigError("elastic: true needs global_batch_size, the batch it keeps on any number of processes")
     if config.elastic and config.global_batch_size % config.per_device_train_batch_size:
@@ -280,14 +307,15 @@ def validate_for_world(config: PretrainConfig, world_size: int) -> None:
         )
 
 
-def validate_against_model(config: PretrainConfig, *, vocab_size: int, tokenizer_size: int, max_positions: int) -> None:
-    """Rules between the recipe, the model shape and the tokenizer."""
+def validate_against_model(config: PretrainConfig, *, vocab_size: int, max_positions: int,
+                           tokenizer_size: int | None = None) -> None:  # fmt: skip
+    """Rules between the recipe, the model shape and the tokenizer (None: not read, as in the planner)."""
     if config.max_seq_length > max_positions:
         raise ConfigError(
             f"max_seq_length {config.max_seq_length} exceeds the model's max_position_embeddings {max_positions}: "
             "lower max_seq_length or raise model_config.max_position_embeddings"
         )
-    if vocab_size < tokenizer_size:
+    if tokenizer_size is not None and vocab_size < tokenizer_size:
         raise ConfigError(
             f"model vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_size} tokens "
             f"({config.tokenizer_name_or_path}): token ids would index past the embedding. "

@@ -40,6 +40,9 @@ MODEL_CONFIG_KEYS: dict[str, type] = {
     "tie_word_embeddings": bool,
     "hidden_act": str,
 }
+# The keys that size a from-scratch model: without one LlamaConfig would fill in its own default (a 7B shape) and a
+# 70B recipe would train, and plan, another model without a word.
+MODEL_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 # The recipe's `hardware` block (and the planner's flags of the same names): the cluster, then the numbers of the
 # wires that override a GPU profile's (recipes.planning.step_time).

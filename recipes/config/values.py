@@ -52,6 +52,6 @@ def coerce(key: str, value: Any, annotation: Any) -> Any:
             return float(value)
         if annotation is str:
             return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # int(inf) overflows: `total_tokens: .inf` is no count
         raise ConfigError(f"{key}: expected {annotation.__name__}, got {value!r}") from None
     raise ConfigError(f"{key}: unsupported type {annotation}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 from common.exit_codes import BAD_INPUT, DONE, OneLineParser, fail
 from recipes.config import (
@@ -77,6 +78,7 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
+        check_finite(args)
         config = load_config(args.config, overrides)
         hardware = hardware_from(config, **{key: getattr(args, key) for key in (
             *HARDWARE_KEYS, "peak_tflops")})  # fmt: skip
@@ -110,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_plan(plan, config) + ("\n" + format_reachable(days, plan) if days else ""))
     return DONE
+
+
+def check_finite(args) -> None:
+    """Every number flag finite: `--days nan` and `--tokens inf` pass any sign check (nan compares false), and
+    printed "nanB tokens" or failed later on something else."""
+    for key, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{key.replace('_', '-')} {value}: must be a finite number")
 
 
 def check_cluster_flags(args) -> None:

@@ -74,12 +74,13 @@ def hardware_from(config: PretrainConfig, **overrides) -> Hardware:
         "profile": block.get("profile"),
         "interconnect": block.get("interconnect"),
     }
+    cli = {key for key, value in overrides.items() if value is not None}  # named as flags, the rest as recipe keys
     wires = {key: block[key] for key in WIRE_KEYS if block.get(key) is not None}
     wires.update({key: overrides.pop(key) for key in WIRE_KEYS if overrides.get(key) is not None})
     given = {k: v for k, v in overrides.items() if v is not None and k not in WIRE_KEYS}
     values.update(given)
     for key in ("gpus", "nodes", "gpu_memory_gb", "host_memory_gb", "peak_tflops"):
-        _check_physical(key, values[key], f"--{key.replace('_', '-')}" if key in given else RECIPE_NAMES[key])
+        _check_physical(key, values[key], _name(key, cli))
     hardware = Hardware(**values, wires=wires)
     if hardware.profile and hardware.profile not in GPU_PROFILES:
         raise ConfigError(f"hardware profile {hardware.profile!r} is not one of {', '.join(sorted(GPU_PROFILES))}")
@@ -88,14 +89,9 @@ def hardware_from(config: PretrainConfig, **overrides) -> Hardware:
     if hardware.mfu is None and not hardware.profile:
         hardware.mfu = DEFAULT_MFU
     if hardware.gpus % hardware.nodes:
-        raise ConfigError(f"--gpus {hardware.gpus} is not divisible by --nodes {hardware.nodes}")
-    if hardware.mfu is not None and not 0 < hardware.mfu <= 1:
-        raise ConfigError(f"--mfu {hardware.mfu} must lie in (0, 1]")
-    for key, value in wires.items():
-        low_ok = value >= 0 if key == "overlap" else value > 0
-        if not low_ok or (key in ("compute_efficiency", "overlap") and value > 1):
-            valid = "in [0, 1]" if key == "overlap" else "in (0, 1]" if key == "compute_efficiency" else "positive"
-            raise ConfigError(f"--{key.replace('_', '-')} {value}: must be {valid}")
+        raise ConfigError(f"{_name('gpus', cli)} {hardware.gpus} is not divisible by {_name('nodes', cli)} "
+                          f"{hardware.nodes}")  # fmt: skip
+    _check_rates(hardware, cli)
     try:
         hardware.step_model()
     except ValueError as error:
@@ -103,8 +99,26 @@ def hardware_from(config: PretrainConfig, **overrides) -> Hardware:
     return hardware
 
 
-RECIPE_NAMES = {"gpus": "hardware.gpus", "nodes": "hardware.nodes", "gpu_memory_gb": "hardware.gpu_memory_gb",
-                "host_memory_gb": "hardware.host_memory_gb", "peak_tflops": "peak_tflops_per_device"}  # fmt: skip
+RECIPE_NAMES = {"peak_tflops": "peak_tflops_per_device"}  # the others: hardware.KEY
+
+
+def _name(key: str, cli: set[str]) -> str:
+    """A hardware value's name where it came from: `--mfu` on the command line, `hardware.mfu` in the recipe."""
+    return f"--{key.replace('_', '-')}" if key in cli else RECIPE_NAMES.get(key, f"hardware.{key}")
+
+
+def _check_rates(hardware: Hardware, cli: set[str]) -> None:
+    """The fixed MFU in (0, 1], the wires' bandwidths positive and finite, their efficiency and overlap fractions."""
+    if hardware.mfu is not None and not 0 < hardware.mfu <= 1:
+        raise ConfigError(f"{_name('mfu', cli)} {hardware.mfu} must lie in (0, 1]")
+    for key, value in hardware.wires.items():
+        if key in ("compute_efficiency", "overlap"):
+            low_ok = value >= 0 if key == "overlap" else value > 0
+            if not low_ok or not value <= 1:
+                valid = "in [0, 1]" if key == "overlap" else "in (0, 1]"
+                raise ConfigError(f"{_name(key, cli)} {value}: must be {valid}")
+        else:
+            _check_physical(key, value, _name(key, cli))
 
 
 def _check_physical(key: str, value, name: str) -> None:

@@ -10,12 +10,13 @@ allocated, so a 70B plan takes well under a second, and `recipes/pretrain.py` ru
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from eval import SPLITS_REQUESTS_OVER_RANKS
 from recipes.architecture import (
+    DEFAULT_MAX_POSITION_EMBEDDINGS,
     gathered_units,
     hooked_modules,
     largest_leaf,
@@ -30,6 +31,8 @@ from recipes.config import (
     ConfigError,
     PretrainConfig,
     for_world,
+    missing_model_sizes,
+    validate_against_model,
     validate_for_world,
     warmup_fraction,
 )
@@ -121,7 +124,12 @@ def model_shape(config: PretrainConfig, warnings: list[str]) -> dict[str, Any]:
         loaded = AutoConfig.from_pretrained(config.model_name_or_path)
     except OSError as error:
         raise ConfigError(f"model_name_or_path {config.model_name_or_path}: cannot read its config ({error})") from None
-    return {k: getattr(loaded, k) for k in MODEL_CONFIG_KEYS if getattr(loaded, k, None) is not None}
+    shape = {k: getattr(loaded, k) for k in MODEL_CONFIG_KEYS if getattr(loaded, k, None) is not None}
+    missing = missing_model_sizes(shape)
+    if missing:
+        raise ConfigError(f"model_name_or_path {config.model_name_or_path}: its config has no {', '.join(missing)} "
+                          "(not a Llama model?)")  # fmt: skip
+    return shape
 
 
 def predicted_step(config: PretrainConfig, hardware: Hardware, ds_config: dict[str, Any], shape: dict[str, Any],
@@ -239,6 +247,19 @@ def planned_shape(config: PretrainConfig, vocab_size: int | None, warnings: list
     return shape
 
 
+def as_trained(config: PretrainConfig, shape: dict[str, Any], warnings: list[str]) -> PretrainConfig:
+    """The recipe checked against the model shape as training checks it (validate_against_model), with checkpoint
+    chunks as training cuts them: never more layers than the model has (recipes.training.model)."""
+    positions = shape.get("max_position_embeddings") or DEFAULT_MAX_POSITION_EMBEDDINGS
+    validate_against_model(config, vocab_size=shape["vocab_size"], max_positions=positions)
+    layers, every = shape["num_hidden_layers"], config.gradient_checkpointing_layers_per_checkpoint
+    if config.gradient_checkpointing and every > layers:
+        warnings.append(f"gradient_checkpointing_layers_per_checkpoint {every} is more than the model's {layers} "
+                        f"layers: training checkpoints all {layers} as one")  # fmt: skip
+        return replace(config, gradient_checkpointing_layers_per_checkpoint=layers)
+    return config
+
+
 def make_plan(
     config: PretrainConfig,
     hardware: Hardware,
@@ -252,6 +273,7 @@ def make_plan(
     validate_for_world(config, hardware.gpus)
     warnings: list[str] = []
     shape = planned_shape(config, vocab_size, warnings)
+    config = as_trained(config, shape, warnings)
     params, _ = llama_parameter_count(**shape)
     largest = max(size for _, size in gathered_units(shape, config.zero3_leaf_modules))  # what is gathered at once
     world, seq = hardware.gpus, config.max_seq_length
