@@ -47,6 +47,21 @@ def write_exit_code(code: int) -> int:
     return code
 
 
+STOPPED_FILE_ENV = "PRETRAIN_STOPPED_FILE"  # set by scripts/slurm/run.sh
+
+
+def mark_stopped() -> int:
+    """Say that the run saved and stopped on a signal rather than finished (returns its exit code, 0): rank 0 writes
+    $PRETRAIN_STOPPED_FILE when it is set. Slurm requeues a preempted job only if it still runs when its GraceTime
+    ends, so one whose ranks saved and exited 0 in time ended COMPLETED, never to run again: the batch script
+    requeues it on this file."""
+    path = os.environ.get(STOPPED_FILE_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        with contextlib.suppress(OSError):  # the script then ends the job as finished: the checkpoint is complete
+            Path(path).write_text("saved and stopped on a signal\n")
+    return 0
+
+
 def read_exit_codes(directory: Path) -> dict[int, int]:
     codes = {}
     for path in directory.glob("rank-*"):

@@ -6,8 +6,7 @@
 (`python -m recipes.launch` in place of `accelerate launch` exits with the code below and saves on SIGTERM.)
 
 Reads in the order of the run: parse -> check -> build -> fit -> export. `--help` lists every recipe key.
-Exit codes: 0 done (or saved and stopped by a signal), 1 hang watchdog, 2 bad input, 3 training fault,
-4 failed save, 5 stalled data.
+Exit codes: 0 done, or saved and stopped; 1 hang watchdog, 2 bad input, 3 training fault, 4 failed save, 5 stalled data.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(error)
     # torch and DeepSpeed are imported only now, so that --help and a bad config answer at once
     from recipes.export import ExportInterrupted, export_run, record_run
+    from recipes.launch import mark_stopped
     from recipes.training.checkpointing import CheckpointError
     from recipes.training.exit_codes import run_exit
     from recipes.training.run_state import StopReason
@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             record_run(config, launch, trainer, stop)
         else:
             export_run(config, launch, trainer, stop)
-        code = 0
+        code = mark_stopped() if stop.reason is StopReason.STOP_SIGNAL else 0  # a batch script requeues a stopped run
     except ExportInterrupted as interrupted:  # the checkpoint is complete: a relaunch exports final/ again
         logger.warning("%s", interrupted)
-        code = 0
+        code = mark_stopped()
     except Exception as error:
         named = run_exit(error, config.output_dir)  # the exit codes' table; None: a bug, a traceback and 1
         if named is None:

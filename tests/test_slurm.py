@@ -237,11 +237,13 @@ def test_the_machine_rank_is_the_nodes_place_in_the_sorted_node_list(tmp_path):
 
 
 @pytest.mark.parametrize(("code", "should_requeue"),
-                         [(0, False), (1, True), (2, False), (3, False), (4, False), (5, True)])  # fmt: skip
+                         [(0, False), (1, True), (2, False), (3, False), (4, False), (5, True),
+                          (137, True)])  # fmt: skip
 def test_a_hang_or_a_stalled_data_source_is_requeued_and_a_bad_input_never_is(tmp_path, code, should_requeue):
     """Slurm's --requeue covers preemption and node failure, not exit codes: the docs promised a requeue after the hang
     watchdog's exit 1 that nothing did. The script requeues after 1 and 5 (at most PRETRAIN_FAILURE_REQUEUES times
-    a job), never after 2-4, and exits with the ranks' code. With a fake srun, scontrol and python on PATH."""
+    a job), never after 2-4, and exits with the ranks' code. 137: srun's code when one node's crash made it kill the
+    others (stuck in a collective), which ended the job failed. With a fake srun, scontrol and python on PATH."""
     job = f"test{os.getpid()}{code}"
     env = fake_slurm(tmp_path, f"exit {code}", SLURM_JOB_ID=job, SLURM_JOB_NUM_NODES="1", PRETRAIN_FAILURE_REQUEUES="2")
     counter = REPO / "logs" / f".failure-requeues-{job}"
@@ -255,6 +257,24 @@ def test_a_hang_or_a_stalled_data_source_is_requeued_and_a_bad_input_never_is(tm
     if should_requeue:
         assert "failure 1 of 2" in runs[0].stdout and "failure 2 of 2" in runs[1].stdout
         assert f"not requeued: job {job} was requeued after 2 failure(s) already" in runs[2].stdout
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_ranks_that_saved_and_stopped_on_a_signal_are_requeued_and_a_finished_run_is_not(tmp_path, stopped):
+    """A preemption with GraceTime signals the job's steps, not the batch shell, and Slurm requeues the job only if it
+    is still running when the grace time ends: ranks that saved and exited 0 in time ended it COMPLETED, never to run
+    again. Rank 0 says it stopped on a signal (recipes.launch.mark_stopped) and the script requeues the job."""
+    job = f"test{os.getpid()}stopped{stopped}"
+    body = (
+        f"{sys.executable} -c 'from recipes.launch import mark_stopped; mark_stopped()'; exit 0"
+        if stopped
+        else "exit 0"
+    )
+    env = fake_slurm(tmp_path, body, SLURM_JOB_ID=job, SLURM_JOB_NUM_NODES="1", PYTHONPATH=str(REPO))
+    run = subprocess.run(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0 and requeued(tmp_path) == ([job] if stopped else []), run.stdout + run.stderr
+    assert not (REPO / "logs" / f".stopped-{job}").exists()
 
 
 @pytest.mark.parametrize(("code", "should_requeue"), [(0, True), (2, False), (4, False)])

@@ -31,17 +31,21 @@ save_and_requeue() {
   ' signal "$RANK_PATTERN" "$SLURM_JOB_ID" || true
   trap_code=0
   wait "$training_pid" || trap_code=$?
-  case $trap_code in
-    0) scontrol requeue "$SLURM_JOB_ID" ;;  # saved and stopped (a run that finished meanwhile exports once more)
-    1|5) requeue_after_failure "$trap_code" ;;
-    *) echo "$(date -Is) exit $trap_code: not requeued (2 bad input, 3 training fault, 4 failed save: docs/run-safety.md)" ;;
-  esac
+  if (( trap_code == 0 )); then
+    scontrol requeue "$SLURM_JOB_ID"  # saved and stopped (a run that finished meanwhile exports once more)
+  elif is_failure "$trap_code"; then
+    requeue_after_failure "$trap_code"
+  else
+    echo "$(date -Is) exit $trap_code: not requeued (2 bad input, 3 training fault, 4 failed save: docs/run-safety.md)"
+  fi
 }
 trap save_and_requeue USR1
 
-# Slurm's --requeue covers preemption and node failure, not exit codes. A hang ended by the watchdog or a crash (1) or a
-# stalled data source (5) is worth another start; at most PRETRAIN_FAILURE_REQUEUES of them per job (default 3, counted
-# in logs/), then the job ends failed for a person to look at. 2-4 fail the same way every time: never requeued.
+# Slurm's --requeue covers preemption and node failure, not exit codes. A hang ended by the watchdog or a crash (1), a
+# stalled data source (5), or a process killed by a signal (128+N: srun's code when one node's failure made it kill the
+# others, stuck in a collective) is worth another start; at most PRETRAIN_FAILURE_REQUEUES of them per job (default 3,
+# counted in logs/), then the job ends failed for a person to look at. 2-4 fail the same way every time: never requeued.
+is_failure() { (( $1 == 1 || $1 == 5 || $1 >= 128 )); }
 requeue_after_failure() {
   local count_file="logs/.failure-requeues-${SLURM_JOB_ID}" count limit=${PRETRAIN_FAILURE_REQUEUES:-3}
   count=$(cat "$count_file" 2>/dev/null || echo 0)
@@ -50,7 +54,7 @@ requeue_after_failure() {
     return
   fi
   echo $((count + 1)) > "$count_file"
-  echo "$(date -Is) exit $1 (1 a hang or a crash, 5 a stalled data source): requeueing job $SLURM_JOB_ID," \
+  echo "$(date -Is) exit $1 (1 a hang or a crash, 5 a stalled data source, 128+ killed): requeueing job $SLURM_JOB_ID," \
     "failure $((count + 1)) of $limit"
   scontrol requeue "$SLURM_JOB_ID"
 }
@@ -85,6 +89,13 @@ nodelist=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk -v n="$nodes" 'NR
 # order of slurm.conf, which need not be the sorted order of the job's node list (rank 0 would then start the
 # rendezvous on a node that is not the head, and no start would ever form).
 # recipes.launch is `accelerate launch` that exits with the ranks' own code (docs/run-safety.md), which Slurm records.
+# Under a preemption with GraceTime Slurm signals the steps, not this shell, and requeues the job only if it is still
+# running when the grace time ends: ranks that saved and exited 0 in time would end it COMPLETED. They say so in this
+# file (recipes.launch.mark_stopped), and the job is requeued below. A plain scancel signals this shell too, which it
+# ends: a cancelled job stays cancelled.
+stopped_file="$PWD/logs/.stopped-${SLURM_JOB_ID:-0}"
+rm -f "$stopped_file"
+export PRETRAIN_STOPPED_FILE="$stopped_file"
 srun --kill-on-bad-exit=1 --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" bash -c '
   place=$(tr , "\n" <<< "$7" | grep -nxF -- "${SLURMD_NODENAME:-}" | cut -d: -f1)
   exec python -m recipes.launch --config_file "$1" --num_machines "$5" --num_processes "$6" \
@@ -96,5 +107,11 @@ code=0
 wait "$training_pid" || code=$?
 # after the time limit's signal, `wait` returned 128+10 and the trap has the ranks' own code
 [ -n "${trap_code:-}" ] && exit "$trap_code"
-case $code in 1|5) requeue_after_failure "$code" ;; esac
+if (( code == 0 )) && [ -e "$stopped_file" ]; then
+  echo "$(date -Is) the ranks saved and stopped on a signal (a preemption?): requeueing job $SLURM_JOB_ID"
+  rm -f "$stopped_file"
+  scontrol requeue "$SLURM_JOB_ID"
+elif is_failure "$code"; then
+  requeue_after_failure "$code"
+fi
 exit "$code"
