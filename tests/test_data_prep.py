@@ -1,5 +1,6 @@
 import gzip
 import json
+import re
 import shutil
 
 import pyarrow as pa
@@ -10,6 +11,7 @@ from transformers import AutoTokenizer
 from data_prep.reading import demo_corpus
 from data_prep.reading.readers import file_format, is_hub_dataset_name, iter_texts, resolve_sources
 from data_prep.tokenizer.training import main as train_tokenizer
+from tests.conftest import REPO
 
 
 def test_readers_for_each_format(tmp_path):
@@ -78,6 +80,37 @@ def test_the_tokenizer_cli_never_replaces_what_other_outputs_were_made_with(tmp_
     train_tokenizer(["--input", str(source), "--vocab-size", "300", "--output", str(existing), "--overwrite"])
     assert len(AutoTokenizer.from_pretrained(existing)) == 300 and sorted(p.name for p in tmp_path.iterdir()) == [
         "final", "tokenizer"]  # fmt: skip
+
+
+def test_the_tokenizer_learns_from_the_first_documents_in_file_order_only(tmp_path, capsys):
+    """README: the tokenizer learns from a sample, the first --max-documents documents in file order. A word only in
+    documents 4 to 6 (of the second file), frequent enough to be merged into one token, is not learned from the first
+    3; without the flag every document is read and it is."""
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    prose = ["the cat sat on the mat " * 5, "a dog ran in the park " * 5, "the sun is warm on the hill " * 5]
+    first.write_text("".join(json.dumps({"text": text}) + "\n" for text in prose[:2]))
+    second.write_text("".join(json.dumps({"text": text}) + "\n" for text in [prose[2], *["zyxwvq " * 50] * 3]))
+
+    def trained(*limit: str):
+        output = tmp_path / f"tokenizer{''.join(limit)}"
+        train_tokenizer(["--input", str(first), str(second), "--vocab-size", "300", "--output", str(output), *limit])
+        return AutoTokenizer.from_pretrained(output)
+
+    sample = trained("--max-documents", "3")
+    assert "read 3 documents" in capsys.readouterr().out
+    assert len(sample.tokenize(" zyxwvq")) > 1 and not any("zyx" in token for token in sample.get_vocab())
+    everything = trained()
+    assert "read 6 documents" in capsys.readouterr().out
+    assert everything.tokenize(" zyxwvq") == ["Ġzyxwvq"]
+
+
+def test_the_readme_samples_the_number_of_documents_it_says():
+    """README's step 1: "the first 2M documents" is what its train_tokenizer command passes as --max-documents."""
+    readme = (REPO / "README.md").read_text()
+    said = re.search(r"the tokenizer learns from a sample: the first (\d+)M documents in file order", readme)
+    passed = re.search(r"python -m data_prep\.train_tokenizer [^`]*?--max-documents (\d+)\n", readme)
+    assert said and passed, "the README's tokenizer step and its --max-documents"
+    assert int(passed.group(1)) == int(said.group(1)) * 1_000_000
 
 
 def test_demo_corpus_split_is_disjoint(tmp_path):

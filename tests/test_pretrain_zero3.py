@@ -49,19 +49,33 @@ def test_loss_falls_and_metrics_are_complete(run):
 
 
 def test_lr_follows_the_schedule_once_per_optimizer_step(run):
+    """The rate logged and the rate the optimizer used: each parameter group's `lr` in the checkpoints' optimizer
+    state (every rank's shard) is the one the loop set for the checkpoint's last step."""
     config = run["config"]
-    for record in read_metrics(run["dir"] / "metrics.jsonl"):
-        if "lr" in record:
-            # The logged rate is the one used by the window's last optimizer step (step - 1 steps before it).
-            expected = lr_at_step(
-                record["step"] - 1,
-                learning_rate=config.learning_rate,
-                warmup_steps=config.warmup_steps,
-                total_steps=STEPS,
-                lr_scheduler_type=config.lr_scheduler_type,
-                min_lr=config.lr_scheduler_kwargs["min_lr"],
-            )
-            assert record["lr"] == pytest.approx(expected, rel=1e-9)
+
+    def scheduled(step: int) -> float:  # the rate of the optimizer step that has `step` completed steps before it
+        return lr_at_step(step, learning_rate=config.learning_rate, warmup_steps=config.warmup_steps,
+                          total_steps=STEPS, lr_scheduler_type=config.lr_scheduler_type,
+                          min_lr=config.lr_scheduler_kwargs["min_lr"])  # fmt: skip
+
+    logged = {record["step"]: record["lr"] for record in read_metrics(run["dir"] / "metrics.jsonl") if "lr" in record}
+    assert sorted(logged) == list(range(5, STEPS + 1, 5))
+    for step, lr in logged.items():
+        # The logged rate is the one used by the window's last optimizer step (step - 1 steps before it).
+        assert lr == pytest.approx(scheduled(step - 1), rel=1e-9), step
+    # an optimizer left at its initial rate, or at an earlier step's, would differ: the rate moved
+    assert len({config.learning_rate, logged[30], logged[STEPS]}) == 3
+    used = {step: optimizer_rates(run["dir"] / f"checkpoint-{step}") for step in (30, STEPS)}
+    assert used == {step: [pytest.approx(logged[step], rel=1e-9)] * 4 for step in used}, "2 ranks x 2 groups"
+
+
+def optimizer_rates(checkpoint) -> list[float]:
+    """Each parameter group's learning rate in each rank's ZeRO-3 optimizer shard of `checkpoint`."""
+    rates = []
+    for shard in sorted((checkpoint / "pytorch_model").glob("*optim_states.pt")):
+        state = torch.load(shard, map_location="cpu", weights_only=False)  # written by the run under test
+        rates += [group["lr"] for group in state["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]]
+    return rates
 
 
 def test_ranks_are_distinct_and_the_model_is_partitioned(run):

@@ -1,7 +1,7 @@
 """The shape of the codebase, pinned: layers import one way (packages, and the roles inside `recipes` and
-`data_prep`), no module imports itself back through others (TYPE_CHECKING and function-level imports included), the
-entry point is imported by nothing, and no function or module outside the tests grows past what a reader takes in at
-once."""
+`data_prep`), no module imports itself back through others (TYPE_CHECKING, function-level and relative imports
+included), the entry point is imported by nothing, and no function or module outside the tests grows past what a
+reader takes in at once."""
 
 import ast
 from pathlib import Path
@@ -54,15 +54,44 @@ def sources(package: str) -> list[Path]:
     return sorted((REPO / package).rglob("*.py"))
 
 
-def project_imports(path: Path) -> set[str]:
+def imported_from(node: ast.ImportFrom, path: Path) -> str:
+    """The absolute module of `from <module> import ...`, a relative one resolved as Python does: level 1 is the
+    package of the file's directory (the module's package; for an __init__.py, the package itself), level 2 the one
+    above, ... One that climbs past the top-level package (an ImportError when it runs) resolves from the repository
+    root, so `from ...recipes import x` in data_prep/a/b.py still reads as importing recipes."""
+    if not node.level:
+        return node.module or ""
+    package = path.relative_to(REPO).parent.parts
+    base = package[: max(len(package) - (node.level - 1), 0)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def project_imports(path: Path, source: str | None = None) -> set[str]:
+    """Every project module or name `path` imports anywhere (`source`: its text, when not the file's own)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = imported_from(node, path)  # "" for `from .. import x` at the top: x is a top-level name
+            names.add(module)
+            names.update(".".join(filter(None, (module, alias.name))) for alias in node.names)
     return {name for name in names if name.split(".")[0] in PACKAGES}
+
+
+def test_relative_imports_count_as_the_modules_they_name():
+    """Negative control: relative imports, function-level ones included, used to be skipped, so a telemetry module
+    importing the trainer or the packed rows' reader importing preprocessing passed every layer check."""
+    trackers = REPO / "recipes/telemetry/trackers.py"
+    later = trackers.read_text() + "\n\ndef later():\n    from ..training import trainer\n    from . import metrics\n"
+    assert {"recipes.training.trainer", "recipes.telemetry.metrics"} <= project_imports(trackers, later)
+    package = REPO / "data_prep/packing/__init__.py"  # level 1 of an __init__.py is its own package
+    assert project_imports(package, "from .rows import pack\nfrom ..preprocessing import pipeline\n") == {
+        "data_prep.packing.rows", "data_prep.packing.rows.pack", "data_prep.preprocessing",
+        "data_prep.preprocessing.pipeline"}  # fmt: skip
+    reader = REPO / "data_prep/packing/packed_dataset.py"  # past the top-level package: read from the root
+    assert project_imports(reader, "from ...recipes.training import trainer\nfrom ... import eval\n") == {
+        "recipes.training", "recipes.training.trainer", "eval"}  # fmt: skip
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -51,9 +51,11 @@ def detect_attn_implementation(requested: str) -> tuple[str, str]:
 
 
 def llama_config(config: PretrainConfig, tokenizer_size: int) -> LlamaConfig:
-    """The model shape: `model_config` from the recipe, or the config of `model_name_or_path`."""
+    """The model shape: `model_config` from the recipe, or the config of `model_name_or_path` without its pad id (an
+    export's carries the tokenizer's, `with_token_ids`: the embedding would freeze that row, EOS's when pad is EOS)."""
     if config.model_name_or_path:
         model_config = AutoConfig.from_pretrained(config.model_name_or_path)
+        model_config.pad_token_id = None
     else:
         values: dict[str, Any] = {"vocab_size": tokenizer_size, **config.model_config}
         model_config = LlamaConfig(**values)
@@ -174,34 +176,41 @@ def check_leaf_modules(names: list[str], model_config) -> None:
         )
 
 
-def apply_leaf_modules(model: torch.nn.Module, names: list[str]) -> tuple[int, int]:
+def apply_leaf_modules(model: torch.nn.Module, names: list[str]) -> None:
     """Mark the modules of the classes `names` as ZeRO-3 leaves (DeepSpeed's `set_z3_leaf_modules`), before the
-    engine registers its hooks: each leaf is fetched and released whole, with no hooks on the modules inside it.
-    Returns (modules hooked at this granularity, modules hooked without leaves)."""
+    engine registers its hooks: each leaf is fetched and released whole, with no hooks on the modules inside it."""
     if names:
         from deepspeed.utils import set_z3_leaf_modules
 
         set_z3_leaf_modules(model, list(names))
-    return hooked_module_count(model), sum(1 for _ in model.modules())
 
 
 def describe_granularity(names: list[str], hooked: int, per_module: int) -> str:
-    """The start line that says how ZeRO-3 gathers this model."""
+    """The start line that says how ZeRO-3 gathers this model: `hooked`, the modules the engine hooked
+    (`zero3_hooked_modules`), and `per_module`, the model's modules (what it hooks without leaves)."""
     if not names:
-        return f"ZeRO-3 granularity: every module (zero3_leaf_modules []): hooks on {per_module} modules"
+        return f"ZeRO-3 granularity: every module (zero3_leaf_modules []): hooks on {hooked} modules"
     return (
         f"ZeRO-3 granularity: {', '.join(names)} gathered whole (zero3_leaf_modules): hooks on {hooked} modules "
         f"instead of {per_module}"
     )
 
 
-def hooked_module_count(model: torch.nn.Module) -> int:
-    """Modules DeepSpeed registers hooks on: all of them, except those inside a leaf."""
-    from deepspeed.utils import z3_leaf_module
+# The qualified name of the forward pre-hook that fetches a module's parameters: DeepSpeed's ZeRO-3 engine registers
+# it on each module it hooks, and on none inside a leaf (`_register_deepspeed_module`, deepspeed 0.19,
+# deepspeed/runtime/zero/parameter_offload.py; `torch.compiler.disable` keeps the name).
+ZERO3_FETCH_HOOK = "_register_deepspeed_module.<locals>._pre_forward_module_hook"
 
-    if z3_leaf_module(model):
-        return 1
-    return 1 + sum(hooked_module_count(child) for child in model.children())
+
+def zero3_hooked_modules(module: torch.nn.Module) -> int:
+    """Modules that carry the ZeRO-3 engine's fetch hook, counted on the prepared model: what DeepSpeed hooked, not
+    what the leaf flags say it should have (flags set after the engine was built change no hook)."""
+    return sum(1 for sub_module in module.modules() if _has_zero3_fetch_hook(sub_module))
+
+
+def _has_zero3_fetch_hook(module: torch.nn.Module) -> bool:
+    hooks = module._forward_pre_hooks.values()
+    return any(getattr(hook, "__qualname__", "").endswith(ZERO3_FETCH_HOOK) for hook in hooks)
 
 
 def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -336,8 +345,8 @@ def build_engine(config: PretrainConfig, model_config, attn_implementation: str,
         num_params,
         local_parameter_elements(model),
     )
-    hooked, per_module = apply_leaf_modules(model, config.zero3_leaf_modules)  # before the chunks rename classes
-    logger.info("%s", describe_granularity(config.zero3_leaf_modules, hooked, per_module))
+    per_module = sum(1 for _ in model.modules())
+    apply_leaf_modules(model, config.zero3_leaf_modules)  # before the chunks rename classes and the engine hooks
     if config.gradient_checkpointing:
         chunks = enable_chunked_checkpointing(model, config.gradient_checkpointing_layers_per_checkpoint)
         per_chunk = config.gradient_checkpointing_layers_per_checkpoint
@@ -347,4 +356,6 @@ def build_engine(config: PretrainConfig, model_config, attn_implementation: str,
         # read by DeepSpeed when the engine is built: load_checkpoint then takes the universal format
         accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     engine, optimizer = accelerator.prepare(model, optimizer)
+    hooked = zero3_hooked_modules(engine.module)  # counted on the hooks DeepSpeed registered
+    logger.info("%s", describe_granularity(config.zero3_leaf_modules, hooked, per_module))
     return engine, optimizer, num_params
