@@ -60,9 +60,10 @@ def gpu_memory_terms(config: PretrainConfig, shape: dict[str, Any], params: int,
     memory["fp32_gradient_partition"] = 0.0 if offload_optimizer else 4 * params / world / GB
     memory["largest_layer_gathered"] = 4 * largest / GB
     model_states_gpu = sum(memory.values())
-    # The bf16 gradient shard is counted on the GPU as the SPEC does (conservative under offload,
-    # where DeepSpeed moves reduced partitions to host memory as they complete).
-    memory["bf16_gradient_shard"] = 2 * params / world / GB
+    # ZeRO-3 accumulates each rank's reduced gradient partition in one buffer of the model's dtype: on the GPU, or in
+    # host memory when the optimizer is offloaded (DeepSpeed's stage3 `grad_partitions_flat_buffer`), where
+    # host_memory_terms counts it; the GPU then holds only the reduce bucket below
+    memory["bf16_gradient_shard"] = 0.0 if offload_optimizer else 2 * params / world / GB
     # What ZeRO-3 allocates for its knobs, in 16-bit elements (DeepSpeed's defaults where the JSON is silent): the
     # reduce-scatter bucket, parameters fetched ahead, and the bound on gathered parameters alive at once.
     memory["reduce_bucket"] = 2 * float(zero.get("reduce_bucket_size", 5e8)) / GB
@@ -87,21 +88,53 @@ def gpu_memory_terms(config: PretrainConfig, shape: dict[str, Any], params: int,
 
 
 def host_memory_terms(config: PretrainConfig, params: int, hardware: Hardware, ds_config: dict[str, Any]):
-    """Host memory per node by term in GB, at its peak (a resume): fp32 master weights, Adam moments and fp32 gradients
-    when offloaded, and the optimizer files a resume reads."""
-    nodes, per_node = hardware.nodes, hardware.gpus_per_node
+    """Host memory per node by term in GB, as DeepSpeed's ZeRO-3 allocates it with the optimizer offloaded: fp32
+    master weights and Adam moments (12 bytes per parameter), and in pinned memory the fp32 gradients (4, one buffer
+    per `sub_group_size` elements) and the accumulated gradient partition (2 in bf16), each pinned buffer rounded up
+    to a power of two by torch's pinned allocator. A resume maps each rank's optimizer file (recipes.training.
+    mapped_load): page cache, not counted; it read the file whole before, 12 bytes per parameter above all this."""
+    per_node, world = hardware.gpus_per_node, hardware.gpus
+    per_rank = params / world  # each rank's partition, in elements
+    zero = ds_config.get("zero_optimization", {})
     host: dict[str, float] = {}
-    host["offloaded_optimizer"] = (16 * params / nodes / GB) if offloads(ds_config, "optimizer") else 0.0
-    host["offloaded_parameters"] = (2 * params / nodes / GB) if offloads(ds_config, "param") else 0.0
-    # A resume reads each rank's optimizer file (fp32 master and moments, 12 bytes per parameter) whole into host
-    # memory (torch.load, no mmap) before it copies it into place: with the optimizer offloaded the master and
-    # gradient buffers (8) exist then and the moments (8) not yet, so the peak is 20 bytes per parameter, 4 above the
-    # steady 16; without offload the file passes through host memory on its way to the GPU
-    load = 4 if offloads(ds_config, "optimizer") else 12
-    host["resume_read"] = load * params / nodes / GB
+    if offloads(ds_config, "optimizer"):
+        pinned = bool(zero.get("offload_optimizer", {}).get("pin_memory", False))
+        sub_group = float(zero.get("sub_group_size", 1e9))
+        full_groups, rest = divmod(per_rank, sub_group)
+        host["offloaded_optimizer"] = 12 * per_rank * per_node / GB
+        fp32_gradients = full_groups * pinned_bytes(4 * sub_group, pinned) + pinned_bytes(4 * rest, pinned)
+        host["offloaded_fp32_gradients"] = fp32_gradients * per_node / GB
+        accumulation = pinned_bytes(gradient_accumulation_bytes(config, ds_config) * per_rank, pinned)
+        host["offloaded_gradient_partition"] = accumulation * per_node / GB
+    if offloads(ds_config, "param"):
+        pinned = bool(zero.get("offload_param", {}).get("pin_memory", False))
+        host["offloaded_parameters"] = pinned_bytes(2 * per_rank, pinned) * per_node / GB
     host["training_processes"] = HOST_OVERHEAD_PER_RANK_GB * per_node
     host["dataloader_workers"] = HOST_PER_DATALOADER_WORKER_GB * config.dataloader_num_workers * per_node
     return {k: round(v, 3) for k, v in host.items()}
+
+
+def pinned_bytes(size: float, pinned: bool) -> float:
+    """What a buffer of `size` bytes takes in host memory: pinned, torch's CachingHostAllocator rounds it up to a
+    power of two (its default; a 17.2 GB gradient partition takes 34.4 GB)."""
+    return float(2 ** math.ceil(math.log2(size))) if pinned and size > 1 else size
+
+
+def gradient_accumulation_bytes(config: PretrainConfig, ds_config: dict[str, Any]) -> int:
+    """Bytes per element of ZeRO-3's gradient partition: DeepSpeed's `data_types.grad_accum_dtype`, else the
+    model's dtype."""
+    named = str(ds_config.get("data_types", {}).get("grad_accum_dtype") or "").lower()
+    if named:
+        return 4 if named in ("fp32", "float32", "float") else 2
+    return 2 if (config.bf16 or config.fp16) else 4
+
+
+def deepspeed_host_estimate_gb(params: int, hardware: Hardware, ds_config: dict[str, Any]) -> float:
+    """DeepSpeed's own estimator (`estimate_zero3_model_states_mem_needs`) for a node: 16 bytes per parameter
+    offloaded with the optimizer and 2 with the parameters, times its 1.5 buffer factor."""
+    share = params / hardware.nodes
+    offloaded = 16 * offloads(ds_config, "optimizer") + 2 * offloads(ds_config, "param")
+    return round(offloaded * share / GB * DEEPSPEED_HOST_BUFFER_FACTOR, 3)
 
 
 def checkpoint_terms(config: PretrainConfig, params: int, world: int) -> dict[str, float]:

@@ -42,6 +42,7 @@ from recipes.planning.memory import (
     ASSUMED_VOCAB_SIZE,
     DEEPSPEED_HOST_BUFFER_FACTOR,
     checkpoint_terms,
+    deepspeed_host_estimate_gb,
     eval_rows_that_fit,
     gpu_memory_terms,
     host_memory_terms,
@@ -279,7 +280,7 @@ def make_plan(
     world, seq = hardware.gpus, config.max_seq_length
     memory, model_states_gpu = gpu_memory_terms(config, shape, params, largest, world, ds_config)
     host = host_memory_terms(config, params, hardware, ds_config)
-    deepspeed_host = (host["offloaded_optimizer"] + host["offloaded_parameters"]) * DEEPSPEED_HOST_BUFFER_FACTOR
+    deepspeed_host = deepspeed_host_estimate_gb(params, hardware, ds_config)
     flops = training_flops_per_token(params, shape["num_hidden_layers"], seq, shape["hidden_size"])
     modelled = predicted_step(config, hardware, ds_config, shape, params, flops)
     peak, expected, step_seconds, days, gpu_hours = time_terms(config, hardware, flops, modelled)
@@ -374,8 +375,7 @@ def _memory_verdicts(plan: Plan, hardware: Hardware) -> None:
         plan.fits = False
         plan.verdicts.append(
             f"does not fit: {plan.host_memory_per_node_gb:.0f} GB of host memory per node needed, "
-            f"{gb_text(hardware.host_memory_gb)} available (offloaded optimizer "
-            f"{plan.host_memory_terms_gb['offloaded_optimizer']:.0f} GB)"
+            f"{gb_text(hardware.host_memory_gb)} available (the largest term: {largest_host_term(plan)})"
         )
     if plan.fits:
         plan.verdicts.append(
@@ -438,3 +438,8 @@ def plan_predictions(plan: Plan) -> dict[str, float | None]:
         "peak_gpu_memory_gb": plan.per_gpu_memory_gb["total"],
         "peak_host_memory_gb_per_node": plan.host_memory_per_node_gb,
     }
+
+
+def largest_host_term(plan: Plan) -> str:
+    name, value = max(plan.host_memory_terms_gb.items(), key=lambda item: item[1])
+    return f"{name} {value:.0f} GB"
