@@ -23,8 +23,9 @@ save_and_requeue() {
     exit 0
   fi
   echo "$(date -Is) time limit near: asking every rank to save, then requeueing job $SLURM_JOB_ID"
-  # On each node, the ranks of this job only (their environment names it): another job's ranks are left alone.
-  srun --overlap --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 bash -c '
+  # On each node, the ranks of this job only (their environment names it): another job's ranks are left alone. Bounded:
+  # a controller slow to create the step must not hold the save past the time limit (a TIMEOUT is never requeued).
+  timeout 60 srun --overlap --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 bash -c '
     for pid in $(pgrep -f -- "$1"); do
       tr "\0" "\n" < "/proc/$pid/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$2" && kill -USR1 "$pid"
     done
