@@ -3,15 +3,16 @@
     python -m recipes.export CHECKPOINT_DIR --output DIR [--dtype bfloat16] [--max-shard-size 5GB] \
         [--tokenizer DIR] [--overwrite]
 
-A checkpoint holds per-rank ZeRO-3 shards (or, after `ds_to_universal`, one fp32 file per parameter). The
-export reads them tensor by tensor through DeepSpeed's lazy consolidation (`convert_zero_checkpoint_to_state_dict`,
-optimizer files memory-mapped), so memory holds one output shard rather than the model: never the ~280 GB fp32
-copy of a 70B model. It writes sharded safetensors with an index, config.json and generation_config.json with the
+A checkpoint holds per-rank ZeRO-3 shards (or, after `ds_to_universal`, one fp32 file per parameter: read when the
+rank shards are not all there). The export reads them tensor by tensor through DeepSpeed's lazy consolidation
+(`get_fp32_state_dict_from_zero_checkpoint`, optimizer files memory-mapped), so memory holds one output shard rather
+than the model: never the ~280 GB fp32 copy of a 70B model (recipes.export_weights). It writes sharded safetensors
+with an index, config.json (the shape the run trained with, `architectures`) and generation_config.json with the
 tokenizer's bos/eos/pad ids, the tokenizer (the run's own copy, RUN/tokenizer), the resolved recipe and `export.json`
-(source step, run and tokenizer), into a
-staging directory that is renamed into place when complete. `final/` is written by this same function. Every file
-is checked against the checkpoint's sha256 first, the checkpoint is pinned against rotation while it is read, and
-an output that is, holds or lies inside the run, the checkpoint or the tokenizer is refused, `--overwrite` or not.
+(source step, run and tokenizer), into a staging directory (`.export-NAME.tmp`) that is renamed into place when
+complete. `final/` is written by this same function. Every file read is checked against its sha256 (the manifest's,
+universal/conversion.json's) first, the checkpoint is pinned against rotation while it is read, and an output that
+is, holds or lies inside the run, the checkpoint or the tokenizer is refused, `--overwrite` or not.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ if __package__ in (None, ""):
 
 from common.files import atomic_write_text, replace_directory, replaced_aside, restore_replaced, sync_tree
 from common.lock import FileLock, LockedError
+from recipes import export_weights
 from recipes.config import ConfigError, PretrainConfig, config_from_dict
-from recipes.training import checkpointing, universal
+from recipes.export_weights import SHARDS, reader_pinned, shape_changes, verified_problems, weights_source
+from recipes.training import checkpointing
 
 if TYPE_CHECKING:
     from recipes.training.run_state import Stop, StopSignals
@@ -87,10 +90,7 @@ def export_checkpoint(
     checkpoint, output = Path(checkpoint), Path(output)
     if (checkpoint / "export.json").is_file() and (checkpoint / "config.json").is_file():
         raise ConfigError(f"{checkpoint} is an exported model directory already (export.json): use it as it is")
-    problems = checkpointing.manifest_problems(checkpoint) if checkpoint.is_dir() else [f"{checkpoint} does not exist"]
-    universal_only = universal.has_universal(checkpoint)
-    if universal_only:  # the rank shards may have been deleted once converted
-        problems = [problem for problem in problems if f"{checkpoint / 'pytorch_model'}/" not in problem]
+    source, problems = weights_source(checkpoint)  # the rank shards, or universal/ when they are not all there
     if problems:
         raise ConfigError(f"cannot export {checkpoint}: {problems[0]}")
     if dtype not in DTYPES:
@@ -105,13 +105,13 @@ def export_checkpoint(
     try:
         output.parent.mkdir(parents=True, exist_ok=True)  # `--output /models/step-4000` on a fresh volume
         with FileLock(checkpointing.export_staging(output)[1], what="another export to this --output"), \
-                FileLock(checkpointing.reader_pin(checkpoint), shared=True):  # fmt: skip
+                reader_pinned(checkpoint):  # fmt: skip
             if verify:
-                bad = verified_problems(checkpoint, skip_missing_rank_shards=universal_only)
+                bad = verified_problems(checkpoint, source)
                 if bad:
                     raise ConfigError(f"cannot export {checkpoint}: {bad[0]}" + (f" (and {len(bad) - 1} more)"
                                                                                  if bad[1:] else ""))  # fmt: skip
-            return _export(checkpoint, output, config, dtype, max_shard_size, tokenizer_dir, tokenizer)
+            return _export(checkpoint, output, config, dtype, max_shard_size, tokenizer_dir, tokenizer, source)
     except LockedError as error:
         raise ConfigError(f"--output {output}: {error}; wait for it to end or choose another --output") from None
     except OSError as error:  # e.g. a file deleted while read by a process that does not honour the pin
@@ -184,60 +184,68 @@ def _warn_if_replaced(checkpoint: Path, tokenizer, tokenizer_dir: Path) -> None:
         )  # fmt: skip
 
 
-def verified_problems(checkpoint: Path, skip_missing_rank_shards: bool) -> list[str]:
-    """The manifest's files that are there, re-hashed (a universal-only checkpoint may lack its rank shards)."""
-    if not skip_missing_rank_shards:
-        return checkpointing.verify_checksums(checkpoint)
-    from common.files import sha256_of
-
-    files = checkpointing.read_manifest(checkpoint)["files"]
-    return [f"{checkpoint / name}: sha256 differs from the manifest (the file was changed or damaged)"
-            for name, entry in sorted(files.items())
-            if (checkpoint / name).is_file() and sha256_of(checkpoint / name) != entry["sha256"]]  # fmt: skip
-
-
 def _export(checkpoint: Path, output: Path, config: PretrainConfig, dtype: str, max_shard_size: str,
-            tokenizer_dir: Path, tokenizer=None) -> Path:  # fmt: skip
-    from recipes.training.model import llama_config, with_token_ids
+            tokenizer_dir: Path, tokenizer=None, source: str = SHARDS) -> Path:  # fmt: skip
+    """The export itself, under the output's lock and the checkpoint's pin; `source`: the form of the weights read
+    (`weights_source`)."""
+    from recipes.training.output_dir import export_stagings
 
     tokenizer_source = "the live run's" if tokenizer is not None else str(tokenizer_dir.resolve())
     if tokenizer is None:
         tokenizer = _the_runs_tokenizer(checkpoint, tokenizer_dir)
     else:
         _warn_if_replaced(checkpoint, tokenizer, tokenizer_dir)
-    model_config = with_token_ids(llama_config(config, len(tokenizer)), tokenizer)
+    model_config = _model_config(checkpoint, config, tokenizer)
     staging = checkpointing.export_staging(output)[0]
-    if staging.exists():  # this process holds the lock: whoever wrote it is gone
-        logger.warning("removing %s, left by an export to %s that was killed", staging, output)
-        shutil.rmtree(staging, ignore_errors=True)
+    for stale in export_stagings(output):  # this process holds the lock: whoever wrote it is gone
+        logger.warning("removing %s, left by an export to %s that was killed", stale, output)
+        shutil.rmtree(stale, ignore_errors=True)
     if replaced_aside(output).is_dir():  # killed between replace_directory's renames: the old output, whole
         path, _, restored = restore_replaced(replaced_aside(output))
         logger.warning("%s %s, left by an export to %s that was killed", "put back" if restored else "removed", path,
                        output)  # fmt: skip
     staging.mkdir(parents=True)
     try:
-        _write_weights(checkpoint, staging, dtype, max_shard_size, model_config)
+        _write_weights(checkpoint, staging, dtype, max_shard_size, model_config, source)
         model_config.dtype = dtype
         model_config.use_cache = True
         model_config.save_pretrained(staging)
         generation_config_for(model_config).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         checkpointing.write_resolved_config(staging, config.to_dict())
-        source = {
+        record = {
             "checkpoint": str(checkpoint.resolve()),
             "step": checkpointing.read_manifest(checkpoint)["step"],
             "run": str(checkpoint.resolve().parent),
             "dtype": dtype,
+            "weights_from": source,
             "tokenizer": tokenizer_source,
             "exported": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
-        atomic_write_text(staging / "export.json", json.dumps(source, indent=2))
+        atomic_write_text(staging / "export.json", json.dumps(record, indent=2))
         with_umask_modes(staging)
         sync_tree(staging, files=True)  # on storage before it takes the name an evaluation or a copy trusts
         replace_directory(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
     return output
+
+
+def _model_config(checkpoint: Path, config: PretrainConfig, tokenizer):
+    """The exported config.json: the model's shape as the run trained with it (refused when the directory of
+    model_name_or_path was edited since), the tokenizer's special ids, and the class to load it with (vLLM and TGI
+    read `architectures`)."""
+    from recipes.training.model import llama_config, with_token_ids
+
+    model_config = with_token_ids(llama_config(config, len(tokenizer)), tokenizer)
+    changed = shape_changes(checkpoint, model_config)
+    if changed:
+        built_from = f"model_name_or_path {config.model_name_or_path}" if config.model_name_or_path else "its recipe"
+        raise ConfigError(f"cannot export {checkpoint}: the model config built from {built_from} is not the one the "
+                          f"run trained with (run_identity.json model_shape): {'; '.join(changed)}. Put back the "
+                          "config.json the run trained with")  # fmt: skip
+    model_config.architectures = [export_weights.causal_lm_class(model_config).__name__]
+    return model_config
 
 
 def with_umask_modes(directory: Path) -> None:
@@ -266,55 +274,7 @@ def process_umask() -> int:
         shutil.rmtree(probe.parent, ignore_errors=True)
 
 
-def _write_weights(checkpoint: Path, staging: Path, dtype: str, max_shard_size: str, model_config) -> None:
-    """Sharded safetensors from the per-rank ZeRO shards, or from the universal form when only it is there."""
-    if any((checkpoint / "pytorch_model").glob("*optim_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
-
-        convert_zero_checkpoint_to_state_dict(
-            str(checkpoint), str(staging), dtype=dtype, max_shard_size=max_shard_size, safe_serialization=True,
-            tag="pytorch_model",
-        )  # fmt: skip
-    elif universal.has_universal(checkpoint):
-        zero_dir = checkpoint / checkpointing.UNIVERSAL_DIR / "pytorch_model" / "zero"
-        _write_universal_weights(zero_dir, staging, dtype, max_shard_size, _parameter_shapes(model_config))
-    else:
-        raise ConfigError(f"cannot export {checkpoint}: it holds neither ZeRO shards nor a universal checkpoint")
-
-
-def _parameter_shapes(model_config) -> dict:
-    """Every parameter's shape, from a model built on the meta device (no memory)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    return {name: tensor.shape for name, tensor in model.state_dict().items()}
-
-
-def _write_universal_weights(zero_dir: Path, staging: Path, dtype: str, max_shard_size: str, shapes: dict) -> None:
-    """One parameter file at a time (`zero/<name>/fp32.pt`, flat fp32), one output shard in memory."""
-    import torch
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    target = getattr(torch, dtype)
-    missing = [name for name in shapes if not (zero_dir / name / "fp32.pt").is_file()]
-    if missing:
-        raise ConfigError(f"the universal checkpoint {zero_dir} lacks {len(missing)} parameter(s), e.g. {missing[0]}")
-
-    def load(name: str):
-        saved = torch.load(zero_dir / name / "fp32.pt", map_location="cpu", weights_only=False)
-        return (saved["param"] if isinstance(saved, dict) else saved).reshape(shapes[name]).to(target).contiguous()
-
-    empty = {name: torch.empty(shape, dtype=target, device="meta") for name, shape in shapes.items()}
-    split = split_torch_state_dict_into_shards(empty, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)  # fmt: skip
-    for filename, tensors in split.filename_to_tensors.items():
-        save_file({name: load(name) for name in tensors}, staging / filename, metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+_write_weights = export_weights.write_weights  # by this name, so that a test can fail it half way
 
 
 class ExportInterrupted(BaseException):
@@ -328,8 +288,10 @@ def _abandoned_on_stop_signal(signals: StopSignals, source: Path, output: Path) 
     """Slurm's preemption gives a job KillWait (30 s by default) between SIGTERM and SIGKILL, less than a 70B export
     takes (~140 GB): a signal before or during the export abandons it at once (its staging is removed on the way
     out) instead of being killed halfway, and the run exits as a stopped run, 0."""
-    advice = (f"{source.name} is saved and complete; final/ was not written: relaunch the same command to export it, "
-              f"or run python -m recipes.export {source} --output {output} --overwrite")  # fmt: skip
+    # not `python -m recipes.export`: it refuses to replace an output inside the run directory (`check_output`)
+    advice = (
+        f"{source.name} is saved and complete; {output.name}/ was not written: relaunch the same command to export it"
+    )
 
     def interrupt(signum, frame):
         raise ExportInterrupted(f"stop signal ({signal.Signals(signum).name}) during the final export: {advice}")

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from common.lock import FileLock
 from recipes.config import ConfigError
 from recipes.export import export_checkpoint
-from recipes.training.checkpointing import manifest_problems, verify_checksums
+from recipes.training.checkpointing import export_staging, manifest_problems, verify_checksums
 from tests.conftest import LAUNCH_ENV, REPO
 
 pytestmark = pytest.mark.multiprocess  # they read the session's trained run
@@ -137,10 +137,9 @@ def test_a_stop_signal_during_the_final_export_abandons_it_and_leaves_nothing(ru
 
 
 def test_a_killed_exports_staging_is_removed_at_the_next_start(run, trained_run):
-    """A SIGKILLed export leaves `.final.tmp` (~140 GB at 70B) hidden in the run directory: the run's next start
+    """A SIGKILLed export leaves `.export-final.tmp` (~140 GB at 70B) hidden in the run directory: the run's next start
     removes it unless an export still holds its lock; the next export to the same output removes its own. A killed
     save's `.checkpoint-N.tmp` goes at the next start too (with the space a save needs, the next save would fail)."""
-    from recipes.training.checkpointing import export_staging
     from recipes.training.output_dir import lock as lock_output_dir
     from recipes.training.output_dir import prepare
 
@@ -252,7 +251,7 @@ def test_an_export_is_on_storage_before_it_takes_its_name(run, tmp_path, monkeyp
 
     monkeypatch.setattr(os, "fsync", record)
     output = export_checkpoint(checkpoint, tmp_path / "model")
-    staging = tmp_path / ".model.tmp"
+    staging = export_staging(tmp_path / "model")[0]
     written = [str(staging / path.relative_to(output)) for path in output.rglob("*")]
     staging_synced_last = len(synced) - 1 - synced[::-1].index(str(staging))
     assert written and set(written) <= set(synced[:staging_synced_last]), "files first, then the directory"

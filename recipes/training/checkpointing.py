@@ -331,9 +331,9 @@ def reader_pin(checkpoint: Path) -> Path:
 
 
 def export_staging(output: Path) -> tuple[Path, Path]:
-    """An export to `output` writes into the staging directory beside it, renamed into place when complete, and holds
-    the lock file beside it while it works: (staging, lock)."""
-    return output.with_name(f".{output.name}.tmp"), output.with_name(f".{output.name}.export-lock")
+    """An export to `output` writes into the staging directory beside it (never named like a save's `.checkpoint-N.tmp`,
+    which rotation removes), renamed into place when complete, and holds the lock beside it: (staging, lock)."""
+    return output.with_name(f".export-{output.name}.tmp"), output.with_name(f".{output.name}.export-lock")
 
 
 def rotate_checkpoints(accelerator, output_dir: str | Path, save_total_limit: int | None, best: Path | None,

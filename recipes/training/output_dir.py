@@ -118,16 +118,23 @@ def remove_stale_export_staging(directory: Path) -> list[tuple[Path, int]]:
     (`put_back`). Returns what was removed, with its bytes."""
     removed = []
     for lock in sorted(directory.glob(".*.export-lock")):
-        staging = lock.with_name(lock.name.removesuffix(".export-lock") + ".tmp")
-        aside = replaced_aside(lock.with_name(lock.name.removeprefix(".").removesuffix(".export-lock")))
-        if not staging.is_dir() and not aside.is_dir():
+        output = lock.with_name(lock.name.removeprefix(".").removesuffix(".export-lock"))
+        stagings, aside = export_stagings(output), replaced_aside(output)
+        if not stagings and not aside.is_dir():
             continue
         try:  # held while removing, as an export holds it: one starting meanwhile is refused, not removed under
             with FileLock(lock, what="a starting run removing a killed export's staging"):
-                removed += put_back(aside) + ([(staging, remove_tree(staging))] if staging.is_dir() else [])
+                removed += put_back(aside) + [(staging, remove_tree(staging)) for staging in stagings]
         except LockedError:  # an export at work
             continue
     return removed
+
+
+def export_stagings(output: Path) -> list[Path]:
+    """The staging directories of exports to `output` that exist: this version's (`checkpointing.export_staging`) and
+    the name earlier versions gave it, `.NAME.tmp` (unless NAME is a checkpoint's: that is a save's staging)."""
+    earlier = [] if checkpointing.step_of(output) is not None else [output.with_name(f".{output.name}.tmp")]
+    return [path for path in [checkpointing.export_staging(output)[0], *earlier] if path.is_dir()]
 
 
 def put_back(aside: Path, whole=lambda path: True) -> list[tuple[Path, int]]:
@@ -149,7 +156,8 @@ def remove_stale_checkpoint_staging(output_dir: Path) -> list[tuple[Path, int]]:
     (`put_back`: a checkpoint only when its files match its manifest). Returns what was removed, with its bytes."""
     removed = []
     for aside in sorted(output_dir.glob(".checkpoint-*.replaced")):  # first: the staging of its replacement goes below
-        removed += put_back(aside, lambda path: not checkpointing.manifest_problems(path))
+        if checkpointing.step_of(Path(aside.name[1:].removesuffix(".replaced"))) is not None:  # an export's: below
+            removed += put_back(aside, lambda path: not checkpointing.manifest_problems(path))
     removed += put_back(replaced_aside(output_dir / TOKENIZER_COPY))
     conversions = sorted(output_dir.glob(f"checkpoint-*/{elastic.STAGING}*"))  # killed ones, ~830 GB each at 70B
     for staging in sorted(output_dir.glob(".checkpoint-*.tmp")) + checkpointing.deleting(output_dir) + conversions:
