@@ -70,23 +70,27 @@ def launch_command(processes: int, args: list[str]) -> list[str]:
             *args]  # fmt: skip
 
 
-def launch(processes: int, args: list[str], log: Path, stop_after: Path | None = None) -> None:
-    """Run a launch to its end, or until `stop_after` exists (then its whole process tree is killed)."""
-    import psutil
+def launch(command: list[str], log: Path, stop_after: Path | None = None) -> None:
+    """Run a launch to its end, or until `stop_after` exists (then its whole process tree is killed). A launch that
+    failed raises, and so does one that was to be stopped but ended first: a 2-process run that crashed before its
+    checkpoint would otherwise leave the 1-process resume nothing to resume, and it would train from scratch."""
+    from common.process import kill_tree
 
     env = {**with_repo_on_path(os.environ), "DS_ACCELERATOR": "cpu"}
+    stopped = False
     with open(log, "w") as out:
-        job = subprocess.Popen(launch_command(processes, args), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        job = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         while job.poll() is None:
             if stop_after is not None and stop_after.exists():
-                tree = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
-                for process in tree:
-                    process.kill()
+                kill_tree(job.pid)
+                stopped = True
                 break
             time.sleep(0.05)
         job.wait()
-    if stop_after is None and job.returncode != 0:
+    if not stopped and job.returncode != 0:
         raise RuntimeError(f"launch failed (exit {job.returncode}); its log: {log}")
+    if stop_after is not None and not stopped:
+        raise RuntimeError(f"launch ended (exit 0) before {stop_after}, where it was to be stopped; its log: {log}")
 
 
 def losses(output_dir: Path) -> dict[int, float]:
@@ -103,12 +107,12 @@ def relative_differences(run: dict[int, float], reference: dict[int, float], aft
 
 def measure(work: Path, data: dict[str, Path], dtype: str, steps: int, change_at: int) -> dict[str, dict]:
     runs = {name: work / f"{dtype}-{name}" for name in ("two", "one", "elastic")}
-    launch(2, run_args(data, runs["two"], steps, dtype, steps), work / f"{dtype}-two.log")
-    launch(1, run_args(data, runs["one"], steps, dtype, steps), work / f"{dtype}-one.log")
+    launch(launch_command(2, run_args(data, runs["two"], steps, dtype, steps)), work / f"{dtype}-two.log")
+    launch(launch_command(1, run_args(data, runs["one"], steps, dtype, steps)), work / f"{dtype}-one.log")
     elastic = run_args(data, runs["elastic"], steps, dtype, change_at)
-    launch(2, elastic, work / f"{dtype}-elastic-two.log", stop_after=runs["elastic"] / f"checkpoint-{change_at}"
-           / "manifest.json")  # fmt: skip
-    launch(1, elastic, work / f"{dtype}-elastic-one.log")
+    launch(launch_command(2, elastic), work / f"{dtype}-elastic-two.log",
+           stop_after=runs["elastic"] / f"checkpoint-{change_at}" / "manifest.json")  # fmt: skip
+    launch(launch_command(1, elastic), work / f"{dtype}-elastic-one.log")
     reference = losses(runs["two"])
     return {name: relative_differences(losses(runs[name]), reference, change_at) for name in ("one", "elastic")}
 

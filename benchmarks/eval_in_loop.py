@@ -6,7 +6,8 @@ them before) against each rank scoring its share (`eval.sharded`), on the same d
 Launches itself on 2 CPU processes with the real ZeRO-3 configuration (accelerate_configs/zero3_cpu.yaml) and the tiny
 recipe's model (random weights: what is timed is the forward passes, not the answers), on the benchmark fixtures
 (`eval.fixtures`: 2 MMLU subjects and GSM8K, `--limit` documents each). The two modes alternate. Prints a table, then
-one JSON line with seconds per evaluation in each mode and their ratio (target: sharded >= 1.7x faster).
+one JSON line with seconds per evaluation in each mode and their ratio (target: sharded >= 1.7x faster), and what
+each mode's last evaluation scored (`scored`: per task, the documents scored and the scores; both modes must agree).
 """
 
 from __future__ import annotations
@@ -52,24 +53,36 @@ def worker(args) -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
 
     def replicated():  # every rank every request; transformers syncs generation under ZeRO-3 on its own
-        evaluate(model, tokenizer, settings)
+        return evaluate(model, tokenizer, settings)
 
     def sharded():
-        evaluate(model, tokenizer, settings, rank=rank, world_size=world)
+        return evaluate(model, tokenizer, settings, rank=rank, world_size=world)
 
     runs = {"replicated": replicated, "sharded": sharded}
     timings: dict[str, list[float]] = {mode: [] for mode in MODES}
+    scored: dict[str, dict | None] = {}
     sharded()  # warm-up: task index, first gathers
     for repeat in range(args.repeats):
         for mode in MODES if repeat % 2 == 0 else reversed(MODES):
             accelerator.wait_for_everyone()
             started = time.perf_counter()
-            runs[mode]()
+            results = runs[mode]()
             accelerator.wait_for_everyone()
             timings[mode].append(time.perf_counter() - started)
+            scored[mode] = what_was_scored(results)  # rank 0's (lm-eval's results are on rank 0 only)
     if accelerator.is_main_process:
-        Path(args.worker).write_text(json.dumps(timings))
+        Path(args.worker).write_text(json.dumps({"timings": timings, "scored": scored}))
     accelerator.end_training()
+
+
+def what_was_scored(results: dict | None) -> dict | None:
+    """Per task, the documents an evaluation scored and its scores (no standard errors); None for no results."""
+    if results is None:
+        return None
+    documents = {task: counts["effective"] for task, counts in results["n-samples"].items()}
+    scores = {task: {name: value for name, value in metrics.items() if isinstance(value, (int, float))
+                     and "stderr" not in name} for task, metrics in results["results"].items()}  # fmt: skip
+    return {"documents": documents, "scores": scores}
 
 
 def make_tokenizer(directory: Path) -> Path:
@@ -112,15 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         if completed.returncode != 0 or not output.exists():
             print(completed.stderr[-4000:], file=sys.stderr)
             return 1
-        timings = json.loads(output.read_text())
+        measured = json.loads(output.read_text())
+    timings, scored = measured["timings"], measured["scored"]
     seconds = {mode: statistics.median(values) for mode, values in timings.items()}
     speedup = seconds["replicated"] / seconds["sharded"]
     print(f"{'mode':<12}{'median s':>10}   passes (s)")
     for mode in MODES:
         print(f"{mode:<12}{seconds[mode]:>10.2f}   {' '.join(f'{v:.2f}' for v in timings[mode])}")
     print(f"sharded is {speedup:.2f}x faster (target >= 1.7x)")
+    for mode in MODES:
+        documents = sum((scored.get(mode) or {}).get("documents", {}).values())
+        print(f"{mode}: {documents} documents scored")
     print(json.dumps({"replicated_s": seconds["replicated"], "sharded_s": seconds["sharded"], "speedup": speedup,
-                      "timings": timings, "limit": args.limit, "max_gen_toks": args.max_gen_toks}))  # fmt: skip
+                      "timings": timings, "scored": scored, "limit": args.limit,
+                      "max_gen_toks": args.max_gen_toks}))  # fmt: skip
     return 0
 
 

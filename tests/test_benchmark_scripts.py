@@ -63,13 +63,28 @@ def test_mixture_sampling_runs_on_a_small_corpus(tmp_path, corpus):
     report = run_benchmark("mixture_sampling", "--input", small_corpus(tmp_path, corpus, 60), "--tokenizer",
                            str(corpus["tokenizer"]), "--seq-len", "64", "--rows", "500")  # fmt: skip
     assert report["rows"] == 500 and report["single_us_per_row"] > 0 and report["mixture_us_per_row"] > 0
+    # every row timed was read whole, on both sides, and the mixture's rows came from its sources by its weights
+    assert report["read"] == {side: {"rows": 500, "tokens": 500 * 64} for side in ("single", "mixture")}
+    assert report["mixture_weights"] == [0.7, 0.3]
+    assert report["mixture_drawn"] == pytest.approx([0.7, 0.3], abs=0.02)
 
 
 @pytest.mark.multiprocess
 def test_eval_in_loop_times_both_modes_on_two_ranks():
+    from eval import fixtures
+
     report = run_benchmark("eval_in_loop", "--limit", "2", "--max-gen-toks", "4", "--repeats", "1")
     assert report["replicated_s"] > 0 and report["sharded_s"] > 0
     assert report["speedup"] == pytest.approx(report["replicated_s"] / report["sharded_s"])
+    # both modes scored every document (2 of each task; the sharded mode's gathered from both ranks), alike
+    tasks = {f"mmlu_local_{subject}" for subject in fixtures.SUBJECTS} | {"gsm8k_local"}
+    replicated, sharded = report["scored"]["replicated"], report["scored"]["sharded"]
+    assert replicated is not None and sharded is not None, f"a mode returned no results: {report['scored']}"
+    assert replicated["documents"] == sharded["documents"] == dict.fromkeys(tasks, 2), report["scored"]
+    assert replicated["scores"].keys() == sharded["scores"].keys() == tasks
+    for task, scores in replicated["scores"].items():
+        assert {"acc,none", "exact_match,strict-match"} & scores.keys(), (task, scores)
+        assert sharded["scores"][task] == pytest.approx(scores), task
 
 
 @pytest.mark.multiprocess
@@ -158,6 +173,36 @@ def test_elastic_drift_builds_valid_launches_and_compares_losses(tmp_path, corpu
     refused = subprocess.run([sys.executable, "-m", "benchmarks.elastic_drift", "--steps", "4", "--change-at", "4"],
                              cwd=REPO, env=LAUNCH_ENV, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert refused.returncode == 2 and "--change-at 4: must be between 1 and --steps - 1 (3)" in refused.stderr
+
+
+def test_elastic_drift_tells_a_launch_stopped_at_its_checkpoint_from_one_that_failed(tmp_path):
+    """The benchmark's 2-process part of `elastic` is killed once its checkpoint exists; one that crashed before it
+    used to pass as stopped, and the 1-process resume then trained from scratch (no checkpoint: a fresh start), making
+    `elastic` a 1-process run. Commands stand in for the launches (a real measure() is 4 launches, minutes)."""
+    import contextlib
+
+    import psutil
+
+    from benchmarks.elastic_drift import launch
+
+    stop = tmp_path / "checkpoint-6" / "manifest.json"
+    crash = [sys.executable, "-c", "import sys; print('crashed before its checkpoint'); sys.exit(3)"]
+    for stop_after in (stop, None):
+        with pytest.raises(RuntimeError, match=r"launch failed \(exit 3\)"):
+            launch(crash, tmp_path / "crashed.log", stop_after=stop_after)
+    with pytest.raises(RuntimeError, match=r"ended \(exit 0\) before .*manifest\.json, where it was to be stopped"):
+        launch([sys.executable, "-c", "pass"], tmp_path / "ended.log", stop_after=stop)
+    # one that writes its checkpoint and trains on, with a child as a launcher has ranks: stopped, the child with it
+    trains_on = (
+        "import pathlib, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "print(child.pid, flush=True)\n"
+        "path = pathlib.Path(sys.argv[1]); path.parent.mkdir(); path.write_text('{}'); time.sleep(120)\n"
+    )
+    launch([sys.executable, "-c", trains_on, str(stop)], tmp_path / "stopped.log", stop_after=stop)
+    child = int((tmp_path / "stopped.log").read_text().split()[0])
+    with contextlib.suppress(psutil.NoSuchProcess):
+        assert psutil.Process(child).status() == psutil.STATUS_ZOMBIE, "the launcher's child outlived the stop"
 
 
 def test_data_cost_counts_each_stages_cpu_time_on_a_small_corpus(tmp_path, corpus):
