@@ -259,6 +259,27 @@ def test_a_hang_or_a_stalled_data_source_is_requeued_and_a_bad_input_never_is(tm
         assert f"not requeued: job {job} was requeued after 2 failure(s) already" in runs[2].stdout
 
 
+def test_failures_are_counted_in_a_row_a_newer_checkpoint_starts_the_count_again(tmp_path):
+    """A run of weeks ended at its fourth crash ever, however much it trained between them: the count of failures
+    starts again when the run's `latest` checkpoint moved on since the failure before."""
+    job = f"test{os.getpid()}progress"
+    env = fake_slurm(tmp_path, "exit 1", SLURM_JOB_ID=job, SLURM_JOB_NUM_NODES="1", PRETRAIN_FAILURE_REQUEUES="2")
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    counter = REPO / "logs" / f".failure-requeues-{job}"
+    runs = []
+    try:
+        for latest in ("checkpoint-100", "checkpoint-100", "checkpoint-300", "checkpoint-300", "checkpoint-300"):
+            (output_dir / "latest").write_text(latest)
+            runs.append(subprocess.run(["bash", "scripts/slurm/llama70b_1x8.sbatch", "--output_dir", str(output_dir)],
+                                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60))  # fmt: skip
+    finally:
+        counter.unlink(missing_ok=True)
+    assert requeued(tmp_path) == [job] * 4, [run.stdout for run in runs]
+    assert "failure 2 of 2" in runs[1].stdout and "checkpoint-300 since the last failure" in runs[2].stdout
+    assert "failure 1 of 2" in runs[2].stdout and "not requeued" in runs[4].stdout
+
+
 @pytest.mark.parametrize("stopped", [True, False])
 def test_ranks_that_saved_and_stopped_on_a_signal_are_requeued_and_a_finished_run_is_not(tmp_path, stopped):
     """A preemption with GraceTime signals the job's steps, not the batch shell, and Slurm requeues the job only if it

@@ -46,15 +46,24 @@ trap save_and_requeue USR1
 # stalled data source (5), or a process killed by a signal (128+N: srun's code when one node's failure made it kill the
 # others, stuck in a collective) is worth another start; at most PRETRAIN_FAILURE_REQUEUES of them per job (default 3,
 # counted in logs/), then the job ends failed for a person to look at. 2-4 fail the same way every time: never requeued.
+# Counted in a row: a failure after a newer checkpoint than at the one before starts the count again (a run of weeks
+# ended at its fourth crash ever, however much it trained between them).
 is_failure() { (( $1 == 1 || $1 == 5 || $1 >= 128 )); }
 requeue_after_failure() {
-  local count_file="logs/.failure-requeues-${SLURM_JOB_ID}" count limit=${PRETRAIN_FAILURE_REQUEUES:-3}
-  count=$(cat "$count_file" 2>/dev/null || echo 0)
+  local count_file="logs/.failure-requeues-${SLURM_JOB_ID}" count=0 seen="" limit=${PRETRAIN_FAILURE_REQUEUES:-3}
+  local progress
+  progress=$(cat "${output_dir:-/nonexistent}/latest" 2>/dev/null || echo none)
+  read -r count seen < "$count_file" 2>/dev/null || true
+  [[ $count =~ ^[0-9]+$ ]] || count=0
+  if [ -n "$seen" ] && [ "$seen" != "$progress" ]; then
+    echo "$(date -Is) $progress since the last failure ($seen): the failures are counted again from 0"
+    count=0
+  fi
   if (( count >= limit )); then
     echo "$(date -Is) exit $1: not requeued: job $SLURM_JOB_ID was requeued after $count failure(s) already"
     return
   fi
-  echo $((count + 1)) > "$count_file"
+  echo "$((count + 1)) $progress" > "$count_file"
   echo "$(date -Is) exit $1 (1 a hang or a crash, 5 a stalled data source, 128+ killed): requeueing job $SLURM_JOB_ID," \
     "failure $((count + 1)) of $limit"
   scontrol requeue "$SLURM_JOB_ID"
@@ -78,6 +87,7 @@ per_node=$(( $(config_value num_processes) / $(config_value num_machines) ))
 given=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 # An elastic recipe trains on the most of these nodes that keep its global batch (6 given, 128 rows: 4 train).
 nodes=$(python -m recipes.nodes "$recipe" --given "$given" --per-node "$per_node" "$@" 2>/dev/null || echo "$given")
+output_dir=$(python -m recipes.nodes "$recipe" --output-dir "$@" 2>/dev/null || true)  # its `latest`: progress
 echo "$(date -Is) job ${SLURM_JOB_ID:-?} start ${SLURM_RESTART_COUNT:-0}: $nodes node(s) x $per_node process(es)" \
   "$([ "$nodes" = "$given" ] || echo "($given given: the global batch is kept on $nodes; the others wait)")"
 # The first $nodes nodes of the job, the head among them: their SLURM_NODEID are the machine ranks 0..nodes-1.
