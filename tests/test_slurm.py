@@ -170,7 +170,7 @@ def fake_slurm(tmp_path: Path, python_body: str, **env: str) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fakes = {
-        "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+        "srun": f'#!/usr/bin/env bash\necho "$@" >> {tmp_path}/srun_args\nwhile [[ "$1" == --* ]]; do shift; done\n'
         'SLURM_NODEID=0 SLURMD_NODENAME=${FAKE_NODENAME:-n1} exec "$@"\n',
         "scontrol": '#!/usr/bin/env bash\n'
         'if [ "$1 $2" = "show hostnames" ]; then printf "%s\\n" ${FAKE_HOSTNAMES:-n1}; '
@@ -201,6 +201,10 @@ def test_the_scripts_forward_every_argument_intact(tmp_path):
                    check=True, timeout=60)  # fmt: skip
     argv = json.loads((tmp_path / "argv.json").read_text())
     assert argv[:2] == ["-m", "recipes.launch"]
+    # mixed nodes: every node is asked for the fewest CPUs the job has on one (the batch host's 128 made n2 refuse)
+    subprocess.run(["bash", str(one_node)], cwd=REPO, check=True, timeout=60,
+                   env={**env, "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_CPUS_PER_NODE": "128(x2),96"})  # fmt: skip
+    assert "--cpus-per-task=96 " in (tmp_path / "srun_args").read_text()
     assert argv[argv.index("--config") + 1] == "recipes/configs/llama70b_a800x8.yaml"
     assert argv[-2:] == ["--note", "a  b"]
     assert argv[argv.index("--num_processes") + 1] == "8" and argv[argv.index("--num_machines") + 1] == "1"

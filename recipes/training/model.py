@@ -348,8 +348,8 @@ def build_engine(config: PretrainConfig, model_config, attn_implementation: str,
     per_module = sum(1 for _ in model.modules())
     apply_leaf_modules(model, config.zero3_leaf_modules)  # before the chunks rename classes and the engine hooks
     if config.gradient_checkpointing:
+        per_chunk = min(config.gradient_checkpointing_layers_per_checkpoint, len(model.model.layers))  # as cut
         chunks = enable_chunked_checkpointing(model, config.gradient_checkpointing_layers_per_checkpoint)
-        per_chunk = config.gradient_checkpointing_layers_per_checkpoint
         logger.info("gradient checkpointing: %d checkpoints of %d layer(s)", chunks, per_chunk)
     optimizer = build_optimizer(model, config, offloads_optimizer(ds_config))
     if load_universal:

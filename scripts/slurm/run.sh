@@ -107,7 +107,10 @@ nodelist=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk -v n="$nodes" 'NR
 stopped_file="$PWD/logs/.stopped-${SLURM_JOB_ID:-0}"
 rm -f "$stopped_file"
 export PRETRAIN_STOPPED_FILE="$stopped_file"
-srun --kill-on-bad-exit=1 --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" bash -c '
+# The fewest CPUs the job has on any node (SLURM_JOB_CPUS_PER_NODE: "128(x2),96"): the batch host's count asked every
+# node for as many, and a node with fewer made every start fail (exit 1) on a cluster of mixed nodes.
+cpus=$(tr , '\n' <<< "${SLURM_JOB_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}}" | sed 's/(.*//' | sort -n | awk 'NR == 1')
+srun --kill-on-bad-exit=1 --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="${cpus:-1}" bash -c '
   place=$(tr , "\n" <<< "$7" | grep -nxF -- "${SLURMD_NODENAME:-}" | cut -d: -f1)
   exec python -m recipes.launch --config_file "$1" --num_machines "$5" --num_processes "$6" \
     --machine_rank "$(( ${place:-$(( SLURM_NODEID + 1 ))} - 1 ))" --main_process_ip "$2" --main_process_port "$3" \
