@@ -103,6 +103,16 @@ def test_spec_checks_for_the_8_gpu_recipe():
     assert any("1.5x buffer factor" in w for w in plan.warnings), "DeepSpeed's 1.66 TB exceeds the 1.5 TB node"
 
 
+def test_the_total_with_the_benchmarks_and_the_saves_prices_both():
+    """The days left out the in-loop benchmarks the plan itself prices (5.7 % at 8 GPUs) and the saves."""
+    _, plan = plan_for(RECIPE_8)
+    saves = plan.total_steps // 1000  # the recipe's save_steps
+    assert plan.wall_days == pytest.approx(
+        plan.expected_days * (1 + plan.eval_share) + saves * plan.checkpoint_save_s / 86_400, rel=1e-9
+    )
+    assert plan.wall_days > plan.expected_days * 1.05 and plan.to_json()["wall_days"] == plan.wall_days
+
+
 def test_spec_checks_for_the_16_gpu_recipe():
     _, plan = plan_for(RECIPE_16, mfu=0.45)
     assert plan.peak_tokens_per_s == pytest.approx(11_600, rel=0.01)
@@ -143,7 +153,8 @@ def test_the_docs_figures_of_the_70b_plans_are_the_planners():
     modelled = (f"~{offload.expected_tokens_per_s:,.0f} modelled on PCIe A800s",
                 f"~{round(two_nodes.expected_tokens_per_s, -2):,.0f} modelled (PCIe, 200 Gb/s IB)",
                 f"~{offload.expected_days / 365.25:.0f} / ~{two_nodes.expected_days / 365.25:.0f} years as "
-                "modelled",
+                f"modelled, ~{offload.wall_days / 365.25:.0f} / ~{two_nodes.wall_days / 365.25:.0f} with the "
+                "benchmarks and saves",
                 f"~{offload.host_memory_per_node_gb / 1000:.2f} / ~{two_nodes.host_memory_per_node_gb / 1000:.2f} "
                 "TB per node with its pinned gradient buffers")  # fmt: skip
     for page in ("README.md", "docs/planning.md"):

@@ -92,6 +92,7 @@ class Plan:
     eval_share: float | None  # of the training time between two benchmark evaluations
     eval_batch_fits: int | None  # the largest per_device_eval_batch_size the memory left during evaluation holds
     fits: bool
+    wall_days: float | None = None  # expected_days with the in-loop benchmarks' and the checkpoint saves' time
     verdicts: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     hardware: dict[str, Any] = field(default_factory=dict)
@@ -318,6 +319,9 @@ def make_plan(
         warnings=warnings,
         hardware={**asdict(hardware), "device": hardware.device, "devices": hardware.devices},
     )
+    if days is not None:  # benchmarks take their share of the training between evaluations; each save its minutes
+        saves = plan.total_steps // config.save_steps
+        plan.wall_days = days * (1 + (plan.eval_share or 0)) + saves * plan.checkpoint_save_s / 86_400
     _judge(plan, config, hardware, target_tokens_per_s)
     _leaf_warnings(plan, config, ds_config, shape)
     return plan

@@ -35,7 +35,8 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
             f"  tokens/s: ceiling {plan.peak_tokens_per_s:,.0f} at 100% MFU; expected "
             f"{plan.expected_tokens_per_s:,.0f} at {at} ({plan.expected_tokens_per_s / h['gpus']:,.0f}/{device})",
             f"  step time: {plan.step_time_s:.1f} s; total: {format_total(plan.expected_days * 86_400)}, "
-            f"{si(plan.gpu_hours)} {device}-hours",
+            f"{si(plan.gpu_hours)} {device}-hours; with the benchmarks and the saves: "
+            f"{format_total(plan.wall_days * 86_400)}",
         ]
     lines.append(f"  memory per {device if device == 'GPU' else 'process, as on a GPU'} (GB):")
     lines += [f"    {name:28s} {value:8.2f}" for name, value in plan.per_gpu_memory_gb.items()]
