@@ -115,6 +115,9 @@ def test_the_total_with_the_benchmarks_and_the_saves_prices_both():
 
 def test_spec_checks_for_the_16_gpu_recipe():
     _, plan = plan_for(RECIPE_16, mfu=0.45)
+    # elastic: a conversion writes DeepSpeed's fragments into tmp/ and then the universal copy beside the checkpoint
+    assert plan.conversion_disk_gb == pytest.approx(2 * plan.checkpoint_gb, abs=0.2)
+    assert f"{plan.conversion_disk_gb:,.0f} GB more on disk at the peak" in (REPO / "docs/node-failure.md").read_text()
     assert plan.peak_tokens_per_s == pytest.approx(11_600, rel=0.01)
     assert plan.expected_days / 365 == pytest.approx(21, rel=0.03)
     assert plan.host_memory_terms_gb["offloaded_optimizer"] == pytest.approx(12 * plan.params / 2 / 1e9, rel=0.001)

@@ -94,3 +94,11 @@ def eval_cost(work: EvalWork, *, params: int, gather_s: float, flops_per_s: floa
     seconds = sum(seconds_by_task.values())
     share = seconds / training_s_between if training_s_between else None
     return EvalCost(work.documents(), sum(passes.values()), seconds, seconds_by_task, share)
+
+
+def wall_days(days: float | None, eval_share: float | None, saves: int, save_s: float) -> float | None:
+    """The run's days with the in-loop benchmarks (their share of the training between two evaluations) and the
+    minutes of each checkpoint save; None without a time."""
+    if days is None:
+        return None
+    return days * (1 + (eval_share or 0)) + saves * save_s / 86_400

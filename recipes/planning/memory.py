@@ -145,6 +145,9 @@ def checkpoint_terms(config: PretrainConfig, params: int, world: int) -> dict[st
     return {
         "checkpoint_gb": round(checkpoint_gb, 1),
         "checkpoint_disk_gb": round(checkpoint_gb * keep, 1),
+        # an elastic resume converts one checkpoint beside itself: DeepSpeed's ds_to_universal writes its fragments
+        # into a tmp/ folder, then the universal copy, and deletes tmp/ (universal/ stays until rotation)
+        "conversion_disk_gb": round(2 * checkpoint_gb, 1) if config.elastic else 0.0,
         "checkpoint_verify_s": round(checkpoint_gb / (world * SHA256_GB_PER_S), 1),  # every rank hashes its share
         "checkpoint_save_s": round(
             checkpoint_gb / world * (1 / CHECKPOINT_WRITE_GB_PER_S_PER_RANK + 1 / SHA256_GB_PER_S), 1

@@ -36,7 +36,7 @@ from recipes.config import (
     validate_for_world,
     warmup_fraction,
 )
-from recipes.planning.eval_cost import MMLU_SUBJECTS, SHARE_WARNING, EvalCost, EvalWork, eval_cost
+from recipes.planning.eval_cost import MMLU_SUBJECTS, SHARE_WARNING, EvalCost, EvalWork, eval_cost, wall_days
 from recipes.planning.hardware import DEFAULT_MFU, Hardware
 from recipes.planning.memory import (
     ASSUMED_VOCAB_SIZE,
@@ -83,6 +83,7 @@ class Plan:
     gpu_hours: float | None
     checkpoint_gb: float
     checkpoint_disk_gb: float
+    conversion_disk_gb: float  # more, at the peak of an elastic resume's conversion
     checkpoint_verify_s: float
     checkpoint_save_s: float
     eval_documents: dict[str, int] | None  # in-loop benchmarks: documents per evaluation, per task
@@ -281,7 +282,6 @@ def make_plan(
     world, seq = hardware.gpus, config.max_seq_length
     memory, model_states_gpu = gpu_memory_terms(config, shape, params, largest, world, ds_config)
     host = host_memory_terms(config, params, hardware, ds_config)
-    deepspeed_host = deepspeed_host_estimate_gb(params, hardware, ds_config)
     flops = training_flops_per_token(params, shape["num_hidden_layers"], seq, shape["hidden_size"])
     modelled = predicted_step(config, hardware, ds_config, shape, params, flops)
     peak, expected, step_seconds, days, gpu_hours = time_terms(config, hardware, flops, modelled)
@@ -300,7 +300,7 @@ def make_plan(
         model_states_gpu_gb=round(model_states_gpu, 3),
         host_memory_per_node_gb=round(sum(host.values()), 3),
         host_memory_terms_gb=host,
-        deepspeed_host_estimate_gb=round(deepspeed_host, 3),
+        deepspeed_host_estimate_gb=deepspeed_host_estimate_gb(params, hardware, ds_config),
         peak_tokens_per_s=peak,
         expected_tokens_per_s=expected,
         step_time_s=step_seconds,
@@ -319,9 +319,7 @@ def make_plan(
         warnings=warnings,
         hardware={**asdict(hardware), "device": hardware.device, "devices": hardware.devices},
     )
-    if days is not None:  # benchmarks take their share of the training between evaluations; each save its minutes
-        saves = plan.total_steps // config.save_steps
-        plan.wall_days = days * (1 + (plan.eval_share or 0)) + saves * plan.checkpoint_save_s / 86_400
+    plan.wall_days = wall_days(days, plan.eval_share, plan.total_steps // config.save_steps, plan.checkpoint_save_s)
     _judge(plan, config, hardware, target_tokens_per_s)
     _leaf_warnings(plan, config, ds_config, shape)
     return plan

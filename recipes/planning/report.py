@@ -43,9 +43,11 @@ def format_plan(plan: Plan, config: PretrainConfig) -> str:
     lines.append(f"    (DeepSpeed model states: {plan.model_states_gpu_gb:.2f})")
     lines.append(f"  host memory per node: {gb_text(plan.host_memory_per_node_gb)}")
     lines += [f"    {name:28s} {value:8.1f}" for name, value in plan.host_memory_terms_gb.items()]
+    conversion = (f", {gb_text(plan.conversion_disk_gb)} more while an elastic resume converts one"
+                  if plan.conversion_disk_gb else "")  # fmt: skip
     lines.append(
         f"  checkpoint: {gb_text(plan.checkpoint_gb)} each; {gb_text(plan.checkpoint_disk_gb)} of disk for "
-        f"save_total_limit={config.save_total_limit} plus the one being written; verified at resume in "
+        f"save_total_limit={config.save_total_limit} plus the one being written{conversion}; verified at resume in "
         f"~{format_duration(plan.checkpoint_verify_s)} (sha256, every rank its share at {SHA256_GB_PER_S} GB/s); a "
         f"save takes ~{format_duration(plan.checkpoint_save_s)} (write at {CHECKPOINT_WRITE_GB_PER_S_PER_RANK} GB/s "
         "per rank, then hash)"
