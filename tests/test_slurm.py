@@ -284,6 +284,27 @@ def test_failures_are_counted_in_a_row_a_newer_checkpoint_starts_the_count_again
     assert "failure 1 of 2" in runs[2].stdout and "not requeued" in runs[4].stdout
 
 
+def test_a_controller_that_fails_a_moment_does_not_end_the_job(tmp_path):
+    """A controller failing over answers scontrol with an error for a moment: under `set -e` the batch shell ended
+    there (the job with it, never requeued). Each scontrol call is retried for about a minute."""
+    job = f"test{os.getpid()}flaky"
+    env = fake_slurm(tmp_path, "exit 1", SLURM_JOB_ID=job, SLURM_JOB_NUM_NODES="1", PRETRAIN_SCONTROL_RETRY_S="0")
+    real = tmp_path / "bin" / "scontrol"
+    real.rename(tmp_path / "bin" / "scontrol-real")
+    real.write_text(f'#!/usr/bin/env bash\ncalls=$(( $(cat {tmp_path}/calls 2>/dev/null || echo 0) + 1 ))\n'
+                    f'echo $calls > {tmp_path}/calls\n(( calls % 3 == 0 )) || exit 1\n'
+                    f'exec {tmp_path}/bin/scontrol-real "$@"\n')  # fmt: skip
+    real.chmod(0o755)
+    counter = REPO / "logs" / f".failure-requeues-{job}"
+    try:
+        run = subprocess.run(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    finally:
+        counter.unlink(missing_ok=True)
+    assert run.returncode == 1 and requeued(tmp_path) == [job], run.stdout + run.stderr
+    assert "scontrol show failed (attempt 2 of 6); retrying" in run.stderr
+
+
 @pytest.mark.parametrize("stopped", [True, False])
 def test_ranks_that_saved_and_stopped_on_a_signal_are_requeued_and_a_finished_run_is_not(tmp_path, stopped):
     """A preemption with GraceTime signals the job's steps, not the batch shell, and Slurm requeues the job only if it

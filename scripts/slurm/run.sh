@@ -11,6 +11,18 @@ shift 2
 # launcher nor torchrun matches. Dataloader workers match but ignore the signal.
 RANK_PATTERN='python[^ ]* -u [^ ]*recipes/pretrain\.py'
 
+# The controller may be failing over or slow for a moment: under `set -e` one failed scontrol ended the batch shell,
+# and with it the job (a requeue never asked for). Each call is tried for about a minute.
+scontrol_retried() {
+  local attempt
+  for attempt in 1 2 3 4 5 6; do
+    scontrol "$@" && return 0
+    echo "$(date -Is) scontrol $1 failed (attempt $attempt of 6); retrying" >&2
+    sleep "${PRETRAIN_SCONTROL_RETRY_S:-10}"
+  done
+  return 1
+}
+
 # Set first: a signal during the minute of set-up below (scontrol, recipes.nodes) would end the batch shell.
 training_pid=""  # set once the ranks' step is started (a signal before then has nothing to save)
 # --signal=B:USR1@600 lands here, in the batch shell. Signal only the training ranks: their
@@ -19,7 +31,7 @@ training_pid=""  # set once the ranks' step is started (a signal before then has
 save_and_requeue() {
   if [ -z "$training_pid" ]; then  # nothing to save, and too little time left to start: the next start goes on
     echo "$(date -Is) time limit near before the ranks started: requeueing job $SLURM_JOB_ID"
-    scontrol requeue "$SLURM_JOB_ID"
+    scontrol_retried requeue "$SLURM_JOB_ID"
     exit 0
   fi
   echo "$(date -Is) time limit near: asking every rank to save, then requeueing job $SLURM_JOB_ID"
@@ -33,7 +45,7 @@ save_and_requeue() {
   trap_code=0
   wait "$training_pid" || trap_code=$?
   if (( trap_code == 0 )); then
-    scontrol requeue "$SLURM_JOB_ID"  # saved and stopped (a run that finished meanwhile exports once more)
+    scontrol_retried requeue "$SLURM_JOB_ID"  # saved and stopped (a run that finished meanwhile exports once more)
   elif is_failure "$trap_code"; then
     requeue_after_failure "$trap_code"
   else
@@ -66,13 +78,13 @@ requeue_after_failure() {
   echo "$((count + 1)) $progress" > "$count_file"
   echo "$(date -Is) exit $1 (1 a hang or a crash, 5 a stalled data source, 128+ killed): requeueing job $SLURM_JOB_ID," \
     "failure $((count + 1)) of $limit"
-  scontrol requeue "$SLURM_JOB_ID"
+  scontrol_retried requeue "$SLURM_JOB_ID"
 }
 
 # The head node's address as Slurm knows it (NodeAddr), not its name, which need not resolve.
 # (awk reads to the end: `head` could exit before scontrol has written, a SIGPIPE that pipefail makes fatal)
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
-head_ip=$(scontrol show node "$head_node" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+head_node=$(scontrol_retried show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
+head_ip=$(scontrol_retried show node "$head_node" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 # A requeued start may land on the same head node while the previous start's rendezvous port is still held (a node
 # failure kills without a clean close): each start takes the next port. Jobs that share a node (no --exclusive) take
 # ports by job id: 16 for each, from 20000, below Linux's ephemeral ports (32768 on; outgoing connections hold those):
@@ -91,7 +103,7 @@ output_dir=$(python -m recipes.nodes "$recipe" --output-dir "$@" 2>/dev/null || 
 echo "$(date -Is) job ${SLURM_JOB_ID:-?} start ${SLURM_RESTART_COUNT:-0}: $nodes node(s) x $per_node process(es)" \
   "$([ "$nodes" = "$given" ] || echo "($given given: the global batch is kept on $nodes; the others wait)")"
 # The first $nodes nodes of the job, the head among them: their SLURM_NODEID are the machine ranks 0..nodes-1.
-nodelist=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk -v n="$nodes" 'NR <= n' | paste -sd, -)
+nodelist=$(scontrol_retried show hostnames "$SLURM_JOB_NODELIST" | awk -v n="$nodes" 'NR <= n' | paste -sd, -)
 
 # The recipe's overrides reach pretrain.py word for word ("$@", not $* inside a string: `--lr_scheduler_kwargs
 # '{min_lr: 0}'` stays one argument). SLURM_NODEID is expanded by each node's task, hence the single quotes.
@@ -124,7 +136,7 @@ wait "$training_pid" || code=$?
 if (( code == 0 )) && [ -e "$stopped_file" ]; then
   echo "$(date -Is) the ranks saved and stopped on a signal (a preemption?): requeueing job $SLURM_JOB_ID"
   rm -f "$stopped_file"
-  scontrol requeue "$SLURM_JOB_ID"
+  scontrol_retried requeue "$SLURM_JOB_ID"
 elif is_failure "$code"; then
   requeue_after_failure "$code"
 fi
