@@ -101,6 +101,7 @@ def test_spec_checks_for_the_8_gpu_recipe():
     # resume re-hashes the ~828 GB: each of 8 ranks ~103 GB at 0.8 GB/s
     assert plan.checkpoint_verify_s == pytest.approx(plan.checkpoint_gb / 8 / 0.8, rel=0.01)
     assert any("1.5x buffer factor" in w for w in plan.warnings), "DeepSpeed's 1.66 TB exceeds the 1.5 TB node"
+    assert any("1,508 GB of 1,536 GB (98%), 28 GB left for the OS" in w for w in plan.warnings), "said when >90 %"
 
 
 def test_the_total_with_the_benchmarks_and_the_saves_prices_both():

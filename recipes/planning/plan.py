@@ -389,11 +389,13 @@ def _memory_verdicts(plan: Plan, hardware: Hardware) -> None:
 
 
 def _warnings(plan: Plan, config: PretrainConfig, hardware: Hardware, target_tokens_per_s: float | None) -> None:
-    if hardware.host_memory_gb is not None and plan.deepspeed_host_estimate_gb > hardware.host_memory_gb:
+    host, available = plan.host_memory_per_node_gb, hardware.host_memory_gb
+    if available is not None and (plan.deepspeed_host_estimate_gb > available or host > 0.9 * available):
         plan.warnings.append(
+            f"host memory per node: {host:,.0f} GB of {gb_text(available)} ({host / available:.0%}), "
+            f"{max(available - host, 0):,.0f} GB left for the OS, the page cache and anything else on the node; "
             f"DeepSpeed's estimator, with its {DEEPSPEED_HOST_BUFFER_FACTOR}x buffer factor, asks "
-            f"{plan.deepspeed_host_estimate_gb:.0f} GB of host memory per node, more than the "
-            f"{gb_text(hardware.host_memory_gb)} available: little headroom for pinned buffers"
+            f"{plan.deepspeed_host_estimate_gb:,.0f} GB"
         )
     if plan.peak_tokens_per_s and target_tokens_per_s and target_tokens_per_s > plan.peak_tokens_per_s:
         plan.warnings.append(
