@@ -170,7 +170,8 @@ def fake_slurm(tmp_path: Path, python_body: str, **env: str) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fakes = {
-        "srun": f'#!/usr/bin/env bash\necho "$@" >> {tmp_path}/srun_args\nwhile [[ "$1" == --* ]]; do shift; done\n'
+        "srun": f'#!/usr/bin/env bash\necho "$@" >> {tmp_path}/srun_args\n'
+        '[[ -n "${FAKE_OVERLAP_FAILS:-}" && "$1" == --overlap ]] && exit 124\nwhile [[ "$1" == --* ]]; do shift; done\n'
         'SLURM_NODEID=0 SLURMD_NODENAME=${FAKE_NODENAME:-n1} exec "$@"\n',
         "scontrol": '#!/usr/bin/env bash\n'
         'if [ "$1 $2" = "show hostnames" ]; then printf "%s\\n" ${FAKE_HOSTNAMES:-n1}; '
@@ -305,22 +306,44 @@ def test_a_controller_that_fails_a_moment_does_not_end_the_job(tmp_path):
     assert "scontrol show failed (attempt 2 of 6); retrying" in run.stderr
 
 
-@pytest.mark.parametrize("stopped", [True, False])
-def test_ranks_that_saved_and_stopped_on_a_signal_are_requeued_and_a_finished_run_is_not(tmp_path, stopped):
+@pytest.mark.parametrize(("stopped", "for_good"), [(True, False), (False, False), (True, True)])
+def test_ranks_that_saved_and_stopped_on_a_signal_are_requeued_and_a_finished_run_is_not(tmp_path, stopped, for_good):
     """A preemption with GraceTime signals the job's steps, not the batch shell, and Slurm requeues the job only if it
     is still running when the grace time ends: ranks that saved and exited 0 in time ended it COMPLETED, never to run
-    again. Rank 0 says it stopped on a signal (recipes.launch.mark_stopped) and the script requeues the job."""
-    job = f"test{os.getpid()}stopped{stopped}"
-    body = (
-        f"{sys.executable} -c 'from recipes.launch import mark_stopped; mark_stopped()'; exit 0"
-        if stopped
-        else "exit 0"
-    )
+    again. Rank 0 says it stopped on a signal (recipes.launch.mark_stopped) and the script requeues the job, unless a
+    person asked for a stop for good (logs/.stop-JOB, docs/slurm.md)."""
+    job = f"test{os.getpid()}stopped{stopped}{for_good}"
+    body = "exit 0"
+    if stopped:
+        body = f"{sys.executable} -c 'from recipes.launch import mark_stopped; mark_stopped()'; exit 0"
+    if for_good:
+        body = f"touch {REPO}/logs/.stop-{job}; {body}"
     env = fake_slurm(tmp_path, body, SLURM_JOB_ID=job, SLURM_JOB_NUM_NODES="1", PYTHONPATH=str(REPO))
-    run = subprocess.run(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
-    assert run.returncode == 0 and requeued(tmp_path) == ([job] if stopped else []), run.stdout + run.stderr
+    try:
+        run = subprocess.run(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    finally:
+        (REPO / "logs" / f".stop-{job}").unlink(missing_ok=True)
+    requeue = stopped and not for_good
+    assert run.returncode == 0 and requeued(tmp_path) == ([job] if requeue else []), run.stdout + run.stderr
     assert not (REPO / "logs" / f".stopped-{job}").exists()
+    assert not for_good or "not requeued: " in run.stdout
+
+
+def test_ranks_the_time_limits_signal_cannot_reach_in_time_are_requeued_at_once(tmp_path):
+    """A controller slow to create the signalling step held the save past the time limit, and a TIMEOUT is never
+    requeued: when srun cannot signal the ranks (timeout's 124 here), the job is requeued at once."""
+    job = f"test{os.getpid()}slowstep"
+    env = fake_slurm(tmp_path, f"touch {tmp_path}/started; sleep 3; exit 0", SLURM_JOB_ID=job,
+                     SLURM_JOB_NUM_NODES="1", FAKE_OVERLAP_FAILS="1")  # fmt: skip
+    script = subprocess.Popen(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 30
+    while not (tmp_path / "started").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    script.send_signal(signal.SIGUSR1)
+    out, _ = script.communicate(timeout=60)
+    assert "could not signal the ranks (srun: exit 124): requeueing job" in out and requeued(tmp_path) == [job], out
 
 
 @pytest.mark.parametrize(("code", "should_requeue"), [(0, True), (2, False), (4, False)])

@@ -23,6 +23,18 @@ scontrol_retried() {
   return 1
 }
 
+# A run saved and stopped is requeued, unless a person asked for a stop for good: `touch logs/.stop-JOBID` before
+# `scancel --signal=TERM JOBID` (or before the time limit). Each start removes the file: it holds for one start.
+no_requeue_file="$PWD/logs/.stop-${SLURM_JOB_ID:-0}"
+requeue_saved() {
+  if [ -e "$no_requeue_file" ]; then
+    echo "$(date -Is) saved and stopped; not requeued: $no_requeue_file asks for a stop"
+  else
+    echo "$(date -Is) saved and stopped: requeueing job $SLURM_JOB_ID"
+    scontrol_retried requeue "$SLURM_JOB_ID"
+  fi
+}
+
 # Set first: a signal during the minute of set-up below (scontrol, recipes.nodes) would end the batch shell.
 training_pid=""  # set once the ranks' step is started (a signal before then has nothing to save)
 # --signal=B:USR1@600 lands here, in the batch shell. Signal only the training ranks: their
@@ -35,17 +47,27 @@ save_and_requeue() {
     exit 0
   fi
   echo "$(date -Is) time limit near: asking every rank to save, then requeueing job $SLURM_JOB_ID"
-  # On each node, the ranks of this job only (their environment names it): another job's ranks are left alone. Bounded:
-  # a controller slow to create the step must not hold the save past the time limit (a TIMEOUT is never requeued).
-  timeout 60 srun --overlap --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 bash -c '
+  # On each node, the ranks of this job only (their environment names it): another job's ranks are left alone.
+  # Bounded: a controller slow to create the step must not hold the save past the time limit (a TIMEOUT is never
+  # requeued). 90 s leaves a 70B step and save (~483 s as modelled) inside the 600 s; past it the job is requeued at
+  # once, losing the steps since the last checkpoint rather than the job.
+  local signalled=0
+  timeout 90 srun --overlap --nodes="$nodes" --nodelist="$nodelist" --ntasks="$nodes" --ntasks-per-node=1 bash -c '
     for pid in $(pgrep -f -- "$1"); do
       tr "\0" "\n" < "/proc/$pid/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$2" && kill -USR1 "$pid"
     done
-  ' signal "$RANK_PATTERN" "$SLURM_JOB_ID" || true
+    true
+  ' signal "$RANK_PATTERN" "$SLURM_JOB_ID" || signalled=$?
+  if (( signalled != 0 )); then
+    echo "$(date -Is) could not signal the ranks (srun: exit $signalled): requeueing job $SLURM_JOB_ID now; the" \
+      "next start resumes from the last checkpoint"
+    scontrol_retried requeue "$SLURM_JOB_ID"
+    exit 0
+  fi
   trap_code=0
   wait "$training_pid" || trap_code=$?
   if (( trap_code == 0 )); then
-    scontrol_retried requeue "$SLURM_JOB_ID"  # saved and stopped (a run that finished meanwhile exports once more)
+    requeue_saved  # saved and stopped (a run that finished meanwhile exports once more)
   elif is_failure "$trap_code"; then
     requeue_after_failure "$trap_code"
   else
@@ -65,7 +87,7 @@ requeue_after_failure() {
   local count_file="logs/.failure-requeues-${SLURM_JOB_ID}" count=0 seen="" limit=${PRETRAIN_FAILURE_REQUEUES:-3}
   local progress
   progress=$(cat "${output_dir:-/nonexistent}/latest" 2>/dev/null || echo none)
-  read -r count seen < "$count_file" 2>/dev/null || true
+  { read -r count seen < "$count_file"; } 2>/dev/null || true
   [[ $count =~ ^[0-9]+$ ]] || count=0
   if [ -n "$seen" ] && [ "$seen" != "$progress" ]; then
     echo "$(date -Is) $progress since the last failure ($seen): the failures are counted again from 0"
@@ -117,7 +139,7 @@ nodelist=$(scontrol_retried show hostnames "$SLURM_JOB_NODELIST" | awk -v n="$no
 # file (recipes.launch.mark_stopped), and the job is requeued below. A plain scancel signals this shell too, which it
 # ends: a cancelled job stays cancelled.
 stopped_file="$PWD/logs/.stopped-${SLURM_JOB_ID:-0}"
-rm -f "$stopped_file"
+rm -f "$stopped_file" "$no_requeue_file"
 export PRETRAIN_STOPPED_FILE="$stopped_file"
 # The fewest CPUs the job has on any node (SLURM_JOB_CPUS_PER_NODE: "128(x2),96"): the batch host's count asked every
 # node for as many, and a node with fewer made every start fail (exit 1) on a cluster of mixed nodes.
@@ -133,10 +155,11 @@ code=0
 wait "$training_pid" || code=$?
 # after the time limit's signal, `wait` returned 128+10 and the trap has the ranks' own code
 [ -n "${trap_code:-}" ] && exit "$trap_code"
+ls "$PWD/logs" > /dev/null 2>&1 || true  # an NFS client may hold a stale "no such file" for the head node's write
 if (( code == 0 )) && [ -e "$stopped_file" ]; then
-  echo "$(date -Is) the ranks saved and stopped on a signal (a preemption?): requeueing job $SLURM_JOB_ID"
+  echo "$(date -Is) the ranks saved and stopped on a signal (a preemption?)"
   rm -f "$stopped_file"
-  scontrol_retried requeue "$SLURM_JOB_ID"
+  requeue_saved
 elif is_failure "$code"; then
   requeue_after_failure "$code"
 fi
