@@ -78,10 +78,10 @@ trap save_and_requeue USR1
 
 # Slurm's --requeue covers preemption and node failure, not exit codes. A hang ended by the watchdog or a crash (1), a
 # stalled data source (5), or a process killed by a signal (128+N: srun's code when one node's failure made it kill the
-# others, stuck in a collective) is worth another start; at most PRETRAIN_FAILURE_REQUEUES of them per job (default 3,
-# counted in logs/), then the job ends failed for a person to look at. 2-4 fail the same way every time: never requeued.
-# Counted in a row: a failure after a newer checkpoint than at the one before starts the count again (a run of weeks
-# ended at its fourth crash ever, however much it trained between them).
+# others, stuck in a collective) is worth another start; at most PRETRAIN_FAILURE_REQUEUES of them in a row (default
+# 3, counted in logs/), then the job ends failed for a person to look at. 2-4 fail the same way every time: never
+# requeued. In a row: a failure after a newer checkpoint than at the one before starts the count again (counted per
+# job, a run of weeks ended at its fourth crash ever, however much it trained between them).
 is_failure() { (( $1 == 1 || $1 == 5 || $1 >= 128 )); }
 requeue_after_failure() {
   local count_file="logs/.failure-requeues-${SLURM_JOB_ID}" count=0 seen="" limit=${PRETRAIN_FAILURE_REQUEUES:-3}
