@@ -141,3 +141,20 @@ def test_the_check_prints_one_json_line_and_refuses_bad_input_in_one_line(capsys
             "--model_config.intermediate_size", "28672", "--model_config.num_attention_heads", "64"]  # fmt: skip
     assert main(["--config", str(TINY_RECIPE), "--vocab-size", "32000", *huge]) == 2
     assert "--num-layers" in capsys.readouterr().err
+
+
+def test_torch_varlen_tells_the_kernel_of_grouped_heads_only_where_it_has_the_argument():
+    """The GPU machines run torch 2.11, whose varlen_attn has no `enable_gqa` (a TypeError at the first forward
+    there); torch 2.13 needs it for fewer key/value heads than query heads."""
+    from recipes.training.torch_varlen import gqa_keyword
+
+    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1)):  # fmt: skip
+        return query
+
+    def torch_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                   enable_gqa=False):  # fmt: skip
+        return query
+
+    assert gqa_keyword(torch_2_11, True) == {} and gqa_keyword(torch_2_13, True) == {"enable_gqa": True}
+    assert gqa_keyword(torch_2_13, False) == {"enable_gqa": False}

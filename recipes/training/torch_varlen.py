@@ -11,6 +11,8 @@ it, so that padding is masked as on every other path.
 
 from __future__ import annotations
 
+import functools
+
 NAME = "torch_varlen"
 
 
@@ -60,9 +62,22 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     output = varlen_attn(
         tokens(query, heads), tokens(key, kv_heads), tokens(value, kv_heads),
         cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_length_q), int(max_length_k),
-        scale=scaling, window_size=(-1, 0), enable_gqa=kv_heads != heads,
+        scale=scaling, window_size=(-1, 0), **gqa_keyword(varlen_attn, kv_heads != heads),
     )  # fmt: skip
     return output.reshape(batch, seq, heads, dim), None
+
+
+@functools.cache
+def _parameters(function) -> frozenset[str]:
+    import inspect
+
+    return frozenset(inspect.signature(function).parameters)
+
+
+def gqa_keyword(varlen_attn, grouped: bool) -> dict[str, bool]:
+    """torch 2.13's varlen_attn is told about fewer key/value heads than query heads (`enable_gqa`); 2.11's has no
+    such argument (a TypeError at the first forward) and its flash kernel takes grouped heads as they are."""
+    return {"enable_gqa": grouped} if "enable_gqa" in _parameters(varlen_attn) else {}
 
 
 def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
