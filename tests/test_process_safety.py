@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -170,7 +171,7 @@ def test_a_command_reports_its_own_peak_memory_not_its_launchers(tmp_path):
     assert 1 < child_peak_mb < 300, f"the child reported {child_peak_mb:.0f} MB, its launcher held 600 MB"
 
 
-def test_deepspeed_op_builds_and_loads_wait_for_each_other_on_a_host(tmp_path, caplog):
+def test_deepspeed_op_builds_and_loads_wait_for_each_other_on_a_host(tmp_path, caplog, monkeypatch):
     """Two ranks that found an op missing at once raced in torch's extension cache: one stopped with a traceback
     while the other built for minutes. Every load now takes a host-wide lock and waits, saying for whom."""
     import threading
@@ -179,6 +180,7 @@ def test_deepspeed_op_builds_and_loads_wait_for_each_other_on_a_host(tmp_path, c
 
     from recipes.training.op_builds import one_at_a_time, serialize_op_builds
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # not this host's real cache
     serialize_op_builds()
     serialize_op_builds()
     assert OpBuilder.jit_load.one_at_a_time and OpBuilder.jit_load.__wrapped__.__name__ == "jit_load"
@@ -223,6 +225,31 @@ class _DeletedByFinalization:
 
 
 _LEFT_FOR_FINALIZATION = []
+
+
+def test_torchs_build_lock_left_by_a_killed_load_is_removed_and_a_live_builds_is_kept(tmp_path, monkeypatch):
+    """torch creates `<cache>/<op>/lock` at every load of a JIT op, built or not; a rank killed meanwhile (a timed-out
+    launch here, a lost node or an out-of-memory kill in a run) left it, and every later start on the host waited
+    for it forever at its op load. Under the host-wide lock it is removed, unless a process works in that directory."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from recipes.training.op_builds import one_at_a_time, remove_stale_baton
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    directory = Path(_get_build_directory("fake_op", verbose=False))
+    baton = directory / "lock"
+    baton.touch()
+    loads = []
+    load = one_at_a_time(lambda builder: loads.append(baton.exists()) or "module", path=lambda: tmp_path / "host.lock")
+    assert load(type("Builder", (), {"name": "fake_op"})()) == "module" and loads == [False], "the stale lock is gone"
+    baton.touch()
+    ninja = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=directory)  # a live build
+    try:
+        time.sleep(0.5)
+        assert not remove_stale_baton("fake_op") and baton.exists(), "a build in progress keeps its lock"
+    finally:
+        ninja.kill()
+        ninja.wait()
 
 
 def _gather_after_importing_transformers(rank, workdir, code=None):

@@ -47,12 +47,38 @@ def one_at_a_time(load: Callable, path: Callable[[], Path] = lock_path) -> Calla
                     said = waited + SAY_EVERY_S
                 time.sleep(POLL_S)
         try:
+            remove_stale_baton(builder.name)
             return load(builder, *args, **kwargs)
         finally:
             lock.release()
 
     locked.one_at_a_time = True
     return locked
+
+
+def remove_stale_baton(name: str) -> bool:
+    """Remove torch's own build lock of op `name` (`<cache>/<tag>/<name>/lock`, a FileBaton every load creates, even
+    of a built op, and removes when done) when no process works in that directory: one left there is a process's
+    killed while it loaded (a timed-out launch, a lost node, an out-of-memory kill at start), and torch waits for it
+    forever: every later start on the host hung at its op load, before the hang watchdog. Called under the host-wide
+    lock, so no process of ours is loading. Returns whether it removed one."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    directory = Path(_get_build_directory(name, verbose=False))
+    baton = directory / "lock"
+    if not baton.exists() or working_in(directory):
+        return False
+    logger.warning("DeepSpeed op %s: removing %s, torch's build lock left by a process killed while it loaded the "
+                   "op (torch would wait for it forever)", name, baton)  # fmt: skip
+    baton.unlink(missing_ok=True)
+    return True
+
+
+def working_in(directory: Path) -> bool:
+    """Whether a live process has `directory` as its working directory (ninja and the compiler a build runs)."""
+    import psutil
+
+    return any(process.info.get("cwd") == str(directory) for process in psutil.process_iter(["cwd"]))
 
 
 def serialize_op_builds() -> None:
