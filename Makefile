@@ -17,7 +17,7 @@ DEMO_BF16 ?= $(if $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo
 # DeepSpeed would otherwise look for CUDA; this Makefile's runs are CPU runs.
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install demo test test-fast lint clean gpu-check
+.PHONY: install demo test test-fast lint clean gpu-check gpu-check-python
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,16 +66,25 @@ test: lint
 test-fast: lint
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not multiprocess and not slow" --durations=10
 
-# The GPU check (benchmarks/gpu_check.py, docs/gpu-results.md): on a machine with one GPU, ~8 minutes. DRY_RUN=1
+# The GPU check (benchmarks/gpu_check.py, docs/gpu-results.md): on a machine with one GPU, one 8-minute call
+# (--budget-s 480) and a second with GPU_CHECK_ARGS="--budget-s 240 --stages attention,end_to_end,training_tail";
+# results are copied to $OUT (or --results-dir) after every stage. DRY_RUN=1
 # rehearses it on the CPU with a tiny model. GPU_CHECK_PYTHON=python3 uses an environment that already holds the
 # packages instead of .venv. flash-attn has no wheel on PyPI: FLASH_ATTN_WHEEL=path/to/flash_attn-*.whl installs one;
 # without it the check runs sdpa and says so.
 GPU_CHECK_PYTHON ?=
 GPU_PY := $(or $(GPU_CHECK_PYTHON),$(BIN)/python)
 gpu-check: export DS_ACCELERATOR := $(if $(DRY_RUN),cpu,cuda)
-gpu-check: $(if $(GPU_CHECK_PYTHON),,install)
+gpu-check: $(if $(or $(GPU_CHECK_PYTHON),$(DRY_RUN)),,gpu-check-python) $(if $(GPU_CHECK_PYTHON),,install)
 	$(if $(FLASH_ATTN_WHEEL),$(GPU_PY) -m pip install --quiet "$(FLASH_ATTN_WHEEL)")
 	$(GPU_PY) -m benchmarks.gpu_check $(if $(DRY_RUN),--dry-run) --output outputs/gpu_check$(if $(DRY_RUN),_dry_run) $(GPU_CHECK_ARGS)
+
+# `make install` builds a CPU-only .venv (and a GPU machine may have no network for pip): on a GPU, say which
+# Python has CUDA torch rather than install minutes of the wrong packages.
+gpu-check-python:
+	@echo "error: on a GPU, run make gpu-check GPU_CHECK_PYTHON=python3 (a Python with CUDA torch, DeepSpeed," \
+		"transformers, accelerate and lm-eval; docs/gpu-results.md); make install builds a CPU-only .venv" >&2
+	@exit 2
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

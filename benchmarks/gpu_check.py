@@ -1,4 +1,4 @@
-"""The GPU check: the recipe's CUDA path measured on one GPU in one call, against the planner and the targets.
+"""The GPU check: the recipe's CUDA path measured on one GPU, against the planner and the targets.
 
     python -m benchmarks.gpu_check [--output outputs/gpu_check] [--budget-s 480] [--dry-run]
     make gpu-check [DRY_RUN=1]
@@ -7,11 +7,12 @@ Everything runs through the recipe (`accelerate launch` with `accelerate_configs
 ZeRO-3, bf16) on `recipes/configs/llama1b_gpu_check.yaml`, a 1.1B Llama at sequence length 2048:
 1. fixtures: a corpus, a tokenizer, packed rows and benchmark data, all made here (nothing downloaded);
 2. model_only: the same model and micro-batch in plain torch, the ceiling the engine's overheads are measured from;
-3. training (`benchmarks.step_overhead` on the real engine and Trainer): micro-batch 1, 2, 4 and 8 (each series to its
-   first out-of-memory) with decoder layers as ZeRO-3 leaves and with every module hooked, gradient checkpointing on:
-   seconds per step, tokens/s and MFU of the recipe's loop and of a bare loop on the same engine (3 warm-up steps,
-   then 10 timed steps each), and peak GPU memory (allocated and reserved) beside the planner's prediction for the
-   same configuration, split into persistent states and what one step adds; a profile of one step at micro-batch 2;
+3. training (`benchmarks.step_overhead` on the real engine and Trainer), gradient checkpointing on: micro-batch 2
+   with decoder layers as ZeRO-3 leaves and with every module hooked, then 8 and 4 with leaves (`training_tail`,
+   after the other stages: 1 with leaves, 4, 8 and 1 per module; a series skips what is above its first
+   out-of-memory): seconds per step, tokens/s and MFU of the recipe's loop and of a bare loop on the same engine
+   (3 warm-up steps, then 5 timed steps each), and peak GPU memory (allocated and reserved) beside the planner's
+   prediction, split into persistent states and what one step adds; a profile of one step at micro-batch 2;
 4. deepcompile: DeepSpeed's DeepCompile (`"compile": {"deepcompile": true}`, inductor through accelerate) on the
    recipe at micro-batch 2; CUDA only, and a failure is recorded with its reason;
 5. attention: document masking on each path without a flash-attn wheel (sdpa's block mask, flex_attention's
@@ -21,11 +22,13 @@ ZeRO-3, bf16) on `recipes/configs/llama1b_gpu_check.yaml`, a 1.1B Llama at seque
 6. the recipe end to end (`recipes/pretrain.py`: preflight, data, training with document masking, validation,
    MMLU and GSM8K through lm-eval in the loop, a checkpoint, the export): seconds per MMLU document and per GSM8K
    document beside the planner's.
-A lent GPU's call lasts at most 8 minutes, so the stages can be split over calls (`--stages model_only,training`,
-then `--stages deepcompile,attention,end_to_end`; fixtures are made again in each), and `--budget-s` ends a stage
-that runs out of time with what it measured so far.
-Writes `gpu_check.json` and `gpu_check.md` under `--output` after every stage (a stage cut short by the budget
-leaves the earlier ones), and prints the markdown row for docs/gpu-results.md. Targets are checked on a GPU only.
+Stages run in the order `--stages` gives (default: the order above, `training_tail` last). A launch starts only if
+the time left under `--budget-s` is at least the previous launch's wall time; what does not fit is listed as
+skipped, and the next call runs it (`--stages attention,end_to_end,training_tail`; fixtures are made again in each;
+docs/gpu-results.md says what one call covers).
+Writes `gpu_check.json` and `gpu_check.md` under `--output` after every stage write, and copies them, the profile
+tables and the end-to-end log's tail flat to `--results-dir` (default $OUT, which a lent machine sends back even from
+a call cut off at its limit); prints the markdown row for docs/gpu-results.md. Targets are checked on a GPU only.
 
 `--dry-run` runs the same stages on the CPU with a tiny model and a few steps: every measurement path is exercised,
 no target is checked, and nothing it prints is a GPU result. The test suite runs it.
@@ -60,7 +63,7 @@ from benchmarks.gpu_check_setup import (
 )
 from common.process import with_repo_on_path
 
-STAGES = ("model_only", "training", "deepcompile", "attention", "end_to_end")
+STAGES = ("model_only", "training", "deepcompile", "attention", "end_to_end", "training_tail")
 
 
 def environment() -> dict[str, Any]:
@@ -114,19 +117,30 @@ def make_fixtures(work: Path, scale: Scale, seq_len: int) -> dict[str, Any]:
 
 
 def training_stage(report: Report, work: Path, scale: Scale, deadline: float) -> None:
-    """Every configuration of the sweep through `benchmarks.step_overhead`: the bare loop and the recipe's on one
-    engine, timed, and peak memory beside the plan; a series of micro-batches stops at its first out-of-memory."""
+    """The head of the sweep (`scale.configurations`); `training_tail_stage` runs the rest later."""
+    _sweep(report, work, scale, deadline, scale.configurations)
+
+
+def training_tail_stage(report: Report, work: Path, scale: Scale, deadline: float) -> None:
+    """The rest of the sweep (`scale.tail_configurations`), added to the training stage's runs."""
+    _sweep(report, work, scale, deadline, scale.tail_configurations)
+
+
+def _sweep(report: Report, work: Path, scale: Scale, deadline: float, configurations) -> None:
+    """Each configuration through `benchmarks.step_overhead`: the bare loop and the recipe's on one engine, timed,
+    and peak memory beside the plan; a series skips the micro-batches above its first out-of-memory."""
     from benchmarks import step_overhead
 
     base = recipe_overrides(work, scale)
-    runs: list[dict[str, Any]] = []
-    out_of_memory: dict[tuple[bool, bool], int] = {}  # (checkpointing, leaves): the micro-batch that did not fit
-    for configuration in scale.configurations:
+    runs: list[dict[str, Any]] = report.results["stages"].get("training", [])
+    for configuration in configurations:
         series = (configuration.checkpointing, configuration.leaves)
-        if series in out_of_memory and configuration.micro_batch > out_of_memory[series]:
+        smallest_oom = min((r["micro_batch"] for r in runs if r.get("out_of_memory") and
+                            (r["gradient_checkpointing"], r["leaves"]) == series), default=None)  # fmt: skip
+        if smallest_oom is not None and configuration.micro_batch > smallest_oom:
             continue
-        remaining = deadline - time.monotonic()
-        if remaining < 30:
+        remaining = report.time_for_launch(deadline)
+        if remaining is None:
             report.skip(f"training {configuration.label}", "time budget spent")
             continue
         # without document masking, as the bare loop; the attention stage measures the masked paths
@@ -138,10 +152,10 @@ def training_stage(report: Report, work: Path, scale: Scale, deadline: float) ->
         if configuration.micro_batch == 2:
             args += ["--profile-output", str(profile)]
         try:
-            summary = step_overhead.run(args)
+            with report.launch():
+                summary = step_overhead.run(args)
         except RuntimeError as error:
             if isinstance(error, step_overhead.LaunchOutOfMemory):
-                out_of_memory[series] = configuration.micro_batch
                 runs.append({"micro_batch": configuration.micro_batch, "leaves": configuration.leaves,
                              "gradient_checkpointing": configuration.checkpointing, "out_of_memory": True})  # fmt: skip
                 report.stage("training", runs)
@@ -155,6 +169,7 @@ def training_stage(report: Report, work: Path, scale: Scale, deadline: float) ->
         summary["plan_tokens_per_s"] = plan.expected_tokens_per_s
         summary["plan_hooked_modules"] = plan.hooked_modules
         runs.append(summary)
+        report.mirror(profile)
         report.stage("training", runs)
 
 
@@ -213,8 +228,9 @@ def model_only_stage(report: Report, work: Path, scale: Scale, deadline: float) 
     command = [sys.executable, "-m", "benchmarks.gpu_check", "--output", str(work), "--worker", str(output),
                *(["--dry-run"] if scale.dry_run else [])]  # fmt: skip
     remaining = max(1.0, deadline - time.monotonic())
-    completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=remaining,
-                               env=with_repo_on_path(os.environ))  # fmt: skip
+    with report.launch():
+        completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=remaining,
+                                   env=with_repo_on_path(os.environ))  # fmt: skip
     if completed.returncode != 0:
         report.skip("model_only", completed.stderr[-1500:])
         return
@@ -239,6 +255,7 @@ def end_to_end_stage(report: Report, work: Path, scale: Scale, deadline: float) 
         log, _ = process.communicate()
         report.skip("end_to_end", f"time budget spent after {time.perf_counter() - started:.0f} s")
     (work / "end_to_end.log").write_text(log)
+    report.mirror(work / "end_to_end.log", "end_to_end_tail.log", tail_lines=200)
     from recipes.telemetry.metrics import read_metrics
 
     records = read_metrics(work / "run/metrics.jsonl")
@@ -267,25 +284,50 @@ def _per_document(plan, task: str, documents: dict[str, int]) -> float | None:
     return plan.eval_seconds_by_task[task] / documents[task]
 
 
-def main(argv: list[str] | None = None) -> int:
+STAGE_FUNCTIONS = {
+    "model_only": model_only_stage,
+    "training": training_stage,
+    "deepcompile": deepcompile_stage,
+    "attention": attention_stage,
+    "end_to_end": end_to_end_stage,
+    "training_tail": training_tail_stage,
+}
+
+
+def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", default=str(REPO / "outputs/gpu_check"), help="fixtures, runs and results")
+    parser.add_argument("--results-dir", default=os.environ.get("OUT"),
+                        help="gpu_check.json/.md, profiles and the end-to-end log's tail, copied here after every "
+                        "write (default: $OUT when set)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the whole check")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model: exercise every path, no targets")
-    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
-    parser.add_argument("--timed-steps", type=int, help="timed steps per loop (default 10; 1 in the dry run)")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, run in this order, of "
+                        f"{', '.join(STAGES)} (default: that order)")  # fmt: skip
+    parser.add_argument("--timed-steps", type=int, help="timed steps per loop (default 5; 1 in the dry run)")
     parser.add_argument(
         "--configurations",
-        help="micro-batch:checkpointing[:leaves|modules], comma-separated; "
-        "default micro-batch 1, 2, 4, 8 with checkpointing, leaf layers then per-module hooks",
+        help="micro-batch:checkpointing[:leaves|modules], comma-separated, for the training stage; default mb2 "
+        "leaf layers, mb2 per-module hooks, mb8 and mb4 leaf layers (training_tail: mb1, mb4, mb8, mb1 per module)",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        return model_only_worker(args.worker, args.dry_run)
-    unknown = [name for name in args.stages.split(",") if name not in STAGES]
+    args.stages = [name for name in args.stages.split(",") if name]
+    unknown = [name for name in args.stages if name not in STAGES]
     if unknown:
         parser.error(f"--stages: {unknown} unknown; use any of {', '.join(STAGES)}")
+    if args.configurations:
+        try:
+            args.configurations = tuple(Configuration.parse(text) for text in args.configurations.split(","))
+        except ValueError as error:
+            parser.error(f"--configurations {error}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
+    if args.worker:
+        return model_only_worker(args.worker, args.dry_run)
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -294,30 +336,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ["PYTHONUNBUFFERED"] = "1"  # a launch killed at the limit still leaves its last lines
     deadline = time.monotonic() + args.budget_s
     work = Path(args.output).resolve()
     scale = Scale.of(args.dry_run)
-    if args.timed_steps:
-        scale.timed_steps = args.timed_steps
-    if args.configurations:
-        try:
-            scale.configurations = tuple(Configuration.parse(text) for text in args.configurations.split(","))
-        except ValueError as error:
-            parser.error(f"--configurations {error}")
-    report = Report(work, args.dry_run)
+    scale.timed_steps = args.timed_steps or scale.timed_steps
+    scale.configurations = args.configurations or scale.configurations
+    report = Report(work, args.dry_run, Path(args.results_dir) if args.results_dir else None)
     report.stage("environment", environment())
     seq_len = load_recipe(recipe_overrides(work, scale)).max_seq_length
     report.stage("fixtures", make_fixtures(work, scale, seq_len))
-    for name, stage in (("model_only", model_only_stage), ("training", training_stage),
-                        ("deepcompile", deepcompile_stage), ("attention", attention_stage),
-                        ("end_to_end", end_to_end_stage)):  # fmt: skip
-        if name not in args.stages.split(","):
-            continue
-        if deadline - time.monotonic() < 30:
+    for name in args.stages:
+        if report.time_for_launch(deadline) is None:
             report.skip(name, "time budget spent")
             continue
         try:
-            stage(report, work, scale, deadline)
+            STAGE_FUNCTIONS[name](report, work, scale, deadline)
         except Exception as error:  # one stage failing must not cost the others' results
             report.skip(name, f"{type(error).__name__}: {error}")
     if not args.dry_run:

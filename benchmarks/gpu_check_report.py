@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-TARGETS = {"mfu": 0.40, "recipe_over_bare_throughput": 0.95, "memory_within": 0.15}
+# The targets: the recipe's MFU >= 30 % of the GPU's dense bf16 peak, and its loop >= 0.95x the bare loop's
+# throughput; peak reserved memory within 15 % of the plan is the planner's own bar (docs/gpu-results.md).
+TARGETS = {"mfu": 0.30, "recipe_over_bare_throughput": 0.95, "memory_within": 0.15}
 
 
 PERSISTENT_TERMS = ("bf16_parameter_shard", "optimizer_states", "fp32_gradient_partition", "bf16_gradient_shard")
@@ -55,8 +57,8 @@ def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
     timed = [r for r in runs if "recipe_mfu" in r and r.get("bare_s_per_step")]
     if timed:
         best = max(timed, key=lambda r: r["recipe_mfu"] or 0.0)
-        targets.append({"target": f"MFU >= {TARGETS['mfu']:.0%} ({run_label(best)})", "value": best["recipe_mfu"],
-                        "met": (best["recipe_mfu"] or 0.0) >= TARGETS["mfu"]})  # fmt: skip
+        targets.append({"target": f"recipe MFU >= {TARGETS['mfu']:.0%} ({run_label(best)})",
+                        "value": best["recipe_mfu"], "met": (best["recipe_mfu"] or 0.0) >= TARGETS["mfu"]})  # fmt: skip
         for run in timed:
             ratio = run["bare_s_per_step"] / run["recipe_s_per_step"]
             targets.append({"target": f"recipe >= {TARGETS['recipe_over_bare_throughput']}x bare ({run_label(run)})",

@@ -3,8 +3,10 @@ the CPU dry run), in which training configurations, and its report on disk (benc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,8 +61,16 @@ class Configuration:
         return cls(int(parts[0]), parts[1] == "on", len(parts) == 2 or parts[2] == "leaves")
 
 
-# micro-batch 1, 2, 4, 8 (each series up to its first out-of-memory), leaf layers first (the recipe's), then per module
-GPU_SWEEP = tuple(Configuration(micro, True, leaves) for leaves in (True, False) for micro in (1, 2, 4, 8))
+# micro-batch 1, 2, 4, 8 with leaf layers (the recipe's) and per module, the most telling first: the `training` stage
+# runs the head (mb2 both ways, then mb8 and mb4 with leaves), `training_tail` the rest after the other stages. A
+# series skips the micro-batches above its first out-of-memory (mb4 still runs when mb8 did not fit).
+GPU_SWEEP_HEAD = (Configuration(2, True, True), Configuration(2, True, False), Configuration(8, True, True),
+                  Configuration(4, True, True))  # fmt: skip
+GPU_SWEEP_TAIL = (Configuration(1, True, True), Configuration(4, True, False), Configuration(8, True, False),
+                  Configuration(1, True, False))  # fmt: skip
+GPU_SWEEP = GPU_SWEEP_HEAD + GPU_SWEEP_TAIL
+MIN_LAUNCH_S = 20.0  # before the first launch: less time than this starts nothing
+MIRROR_LIMIT = 200_000  # characters of one file copied to --results-dir
 
 
 @dataclass
@@ -73,21 +83,27 @@ class Scale:
     corpus_mb: float
     tokenizer_vocab: int
     eval_documents: int  # per MMLU subject, and GSM8K
-    configurations: tuple[Configuration, ...] = GPU_SWEEP
+    configurations: tuple[Configuration, ...] = GPU_SWEEP_HEAD
+    tail_configurations: tuple[Configuration, ...] = GPU_SWEEP_TAIL
 
     @classmethod
     def of(cls, dry_run: bool) -> Scale:
         if dry_run:  # two configurations: every measurement path, both granularities
             return cls(True, warmup_steps=1, timed_steps=1, corpus_mb=0.6, tokenizer_vocab=1024, eval_documents=2,
-                       configurations=(Configuration(2, True, True), Configuration(1, False, False)))  # fmt: skip
-        return cls(False, warmup_steps=3, timed_steps=10, corpus_mb=8.0, tokenizer_vocab=8192, eval_documents=16)
+                       configurations=(Configuration(2, True, True), Configuration(1, False, False)),
+                       tail_configurations=())  # fmt: skip
+        return cls(False, warmup_steps=3, timed_steps=5, corpus_mb=8.0, tokenizer_vocab=8192, eval_documents=16)
 
 
 class Report:
-    """The check's results, rewritten to disk after every stage."""
+    """The check's results, rewritten to disk after every stage, and mirrored flat to `results_dir` (the device
+    machine's $OUT, which comes back even from a call cut off at its limit); the wall time of the last launch, which
+    decides whether another one starts."""
 
-    def __init__(self, output: Path, dry_run: bool):
+    def __init__(self, output: Path, dry_run: bool, results_dir: Path | None = None):
         self.output, self.started = output, time.monotonic()
+        self.results_dir = results_dir if results_dir and results_dir.resolve() != output.resolve() else None
+        self.last_launch_s = 0.0
         self.results: dict[str, Any] = {"dry_run": dry_run, "stages": {}, "skipped": [], "targets": []}
 
     def stage(self, name: str, values: Any) -> None:
@@ -103,6 +119,33 @@ class Report:
         self.output.mkdir(parents=True, exist_ok=True)
         (self.output / "gpu_check.json").write_text(json.dumps(self.results, indent=2, default=str))
         (self.output / "gpu_check.md").write_text(render_markdown(self.results))
+        self.mirror(self.output / "gpu_check.json")
+        self.mirror(self.output / "gpu_check.md")
+
+    def mirror(self, path: Path, name: str | None = None, tail_lines: int | None = None) -> None:
+        """Copy `path` (its last `tail_lines` lines, at most MIRROR_LIMIT characters) to the results dir, flat."""
+        if self.results_dir is None or not path.is_file():
+            return
+        text = path.read_text(errors="replace")
+        if tail_lines is not None:
+            text = "\n".join(text.splitlines()[-tail_lines:]) + "\n"
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        (self.results_dir / (name or path.name)).write_text(text[:MIRROR_LIMIT])
+
+    def time_for_launch(self, deadline: float) -> float | None:
+        """The seconds left, if they are at least the previous launch's wall time (MIN_LAUNCH_S before the first):
+        a launch that cannot finish is not started."""
+        remaining = deadline - time.monotonic()
+        return remaining if remaining >= max(MIN_LAUNCH_S, self.last_launch_s) else None
+
+    @contextlib.contextmanager
+    def launch(self) -> Iterator[None]:
+        """Times one launch (a subprocess that builds the model), for `time_for_launch`."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.last_launch_s = time.monotonic() - started
 
 
 def recipe_overrides(work: Path, scale: Scale) -> list[str]:

@@ -28,11 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.process import with_repo_on_path
+from common.process import die_with_parent, kill_tree, with_repo_on_path
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPS = ("bare", "recipe", "recipe_masked")
@@ -40,8 +41,34 @@ EOS_ID = 0
 MEAN_DOCUMENT_TOKENS = 300  # where the fixed batches put an EOS, on average
 
 
-class LaunchOutOfMemory(RuntimeError):
+class LaunchFailed(RuntimeError):
+    """The launch failed: the message is the ranks' tracebacks (else the launch's stderr); `context` is what the worker
+    saw at its start (`worker_context`), where it got that far."""
+
+    def __init__(self, message: str, context: dict | None = None):
+        super().__init__(message)
+        self.context = context or {}
+
+
+class LaunchOutOfMemory(LaunchFailed):
     """The launch ran out of device memory."""
+
+
+def worker_context() -> dict[str, Any]:
+    """What the worker's Accelerator will be given by its environment: the dynamo backend (accelerate reads
+    ACCELERATE_DYNAMO_BACKEND when the Accelerator builds its TorchDynamoPlugin; its DeepSpeed launch does not pass
+    the accelerate config's dynamo_config on)."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    return {"dynamo_backend": TorchDynamoPlugin().backend.value.lower()}
+
+
+def compile_state(engine) -> dict[str, Any]:
+    """Whether the engine was compiled (accelerate calls `engine.compile()` when a dynamo backend is set) and whether
+    DeepCompile took the compile over (DeepSpeed's `is_deepcompile_active`)."""
+    active = getattr(engine, "is_deepcompile_active", None)
+    return {"compiled": bool(getattr(engine, "is_compiled", False)),
+            "deepcompile_active": bool(active()) if callable(active) else False}  # fmt: skip
 
 
 def fixed_batches(micro_batches):
@@ -235,6 +262,21 @@ def time_loops(bench: Bench, args) -> dict[str, Any]:
 
 
 def worker(args, overrides: list[str]) -> None:
+    """One rank: dies with its launcher (torchrun starts ranks in sessions of their own), and writes its traceback
+    beside the output on a failure (the launcher's stderr ends in torchrun's summary, not the cause)."""
+    die_with_parent()
+    rank = os.environ.get("RANK", "0")
+    try:
+        context = worker_context()
+        if rank == "0":
+            Path(f"{args.worker}.context.json").write_text(json.dumps(context))
+        measure(args, overrides, context)
+    except BaseException:
+        Path(f"{args.worker}.rank{rank}.traceback").write_text(traceback.format_exc())
+        raise
+
+
+def measure(args, overrides: list[str], context: dict[str, Any]) -> None:
     from recipes.architecture import training_flops_per_token
 
     bench = build_bench(args, overrides)
@@ -243,6 +285,8 @@ def worker(args, overrides: list[str]) -> None:
     config, shape, world = bench.config, bench.model_config, bench.accelerator.num_processes
     result = {
         **measured,
+        **context,
+        **compile_state(bench.model),
         "num_parameters": bench.num_params,
         "flops_per_token": training_flops_per_token(
             bench.num_params, shape.num_hidden_layers, config.max_seq_length, shape.hidden_size
@@ -325,8 +369,9 @@ def resolve_bf16(choice: str) -> bool:
 
 
 def run(argv: list[str] | None = None, env: dict[str, str] | None = None) -> dict:
-    """Launch the worker (in `env`, default this process's) and return the summary (raises RuntimeError with the
-    launch's stderr on failure)."""
+    """Launch the worker (in `env`, default this process's) and return the summary. On a failure or past
+    `--timeout-s` (the whole launch killed: no rank is left on the device) raises `LaunchFailed` with the ranks'
+    tracebacks, else the stderr captured."""
     args, overrides = parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "timings.json"
@@ -342,17 +387,27 @@ def run(argv: list[str] | None = None, env: dict[str, str] | None = None) -> dic
         env = with_repo_on_path(os.environ if env is None else env)
         if "cpu" in Path(args.accelerate_config).name:
             env.setdefault("DS_ACCELERATOR", "cpu")
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, start_new_session=True)  # fmt: skip
         try:
-            completed = subprocess.run(
-                command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout_s
-            )
-        except subprocess.TimeoutExpired as error:
-            raise RuntimeError(f"step_overhead: launch timed out after {args.timeout_s} s") from error
-        if completed.returncode != 0 or not output.exists():
-            # the whole stderr: after a CUDA out-of-memory, the launcher's tracebacks can push its line out of the tail
-            failure = LaunchOutOfMemory if "out of memory" in completed.stderr.lower() else RuntimeError
-            raise failure(completed.stderr[-4000:])
+            _, stderr = process.communicate(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(process.pid)  # accelerate, torchrun and every rank (each in a session of its own)
+            _, stderr = process.communicate()  # what was captured before the kill
+            raise launch_failure(f"step_overhead: launch timed out after {args.timeout_s} s", stderr, output) from None
+        if process.returncode != 0 or not output.exists():
+            raise launch_failure(f"step_overhead: launch exited {process.returncode}", stderr, output)
         return summarize(json.loads(output.read_text()))
+
+
+def launch_failure(headline: str, stderr: str, output: Path) -> LaunchFailed:
+    """The ranks' tracebacks (else the stderr's tail) under `headline`; out of memory where the whole stderr or a
+    traceback says so (after a CUDA out-of-memory, the launcher's own tracebacks can push its line out of the tail)."""
+    tracebacks = "\n".join(path.read_text() for path in sorted(output.parent.glob(f"{output.name}.rank*.traceback")))
+    context_file = Path(f"{output}.context.json")
+    context = json.loads(context_file.read_text()) if context_file.exists() else None
+    failure = LaunchOutOfMemory if "out of memory" in (stderr + tracebacks).lower() else LaunchFailed
+    return failure(f"{headline}\n{tracebacks or stderr[-4000:]}", context)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,3 +222,64 @@ def test_data_cost_counts_each_stages_cpu_time_on_a_small_corpus(tmp_path, corpu
         expected = per_tb(stage["cpu_s"], report["input_mb"])
         assert stage["cpu_s"] > 0 and stage["core_hours_per_tb"] == pytest.approx(expected)
     assert per_tb(3600, 1e6) == 1 and cluster_hours(1280, 14, 8, 64) == pytest.approx(35)
+
+
+def test_step_overhead_reports_the_ranks_traceback_not_the_launchers(tmp_path):
+    """A failed launch raises with what each rank's worker wrote beside the output (torchrun's summary box says
+    nothing of the cause), and with what the worker saw at its start."""
+    from benchmarks import step_overhead
+
+    output = tmp_path / "timings.json"
+    (tmp_path / "timings.json.rank0.traceback").write_text("Traceback (most recent call last):\nValueError: the cause")
+    (tmp_path / "timings.json.context.json").write_text(json.dumps({"dynamo_backend": "inductor"}))
+    failure = step_overhead.launch_failure("launch exited 1", "ChildFailedError\n" + "=" * 5000, output)
+    assert type(failure) is step_overhead.LaunchFailed and failure.context == {"dynamo_backend": "inductor"}
+    assert "ValueError: the cause" in str(failure) and "ChildFailedError" not in str(failure)
+    (tmp_path / "timings.json.rank0.traceback").unlink()
+    oom = step_overhead.launch_failure("launch exited 1", "torch.OutOfMemoryError: CUDA out of memory" + "x" * 5000,
+                                       output)  # fmt: skip
+    assert isinstance(oom, step_overhead.LaunchOutOfMemory)
+
+
+@pytest.mark.multiprocess
+def test_a_timed_out_step_overhead_launch_leaves_no_rank_alive():
+    """Past `--timeout-s` the whole launch is killed: torchrun starts each rank in a session of its own, so killing
+    accelerate alone would leave them running on the device. The stderr captured so far comes with the error."""
+    import threading
+    import time
+
+    import psutil
+
+    from benchmarks import step_overhead
+
+    marker = "987651"  # a step count no other launch uses: the ranks' command lines carry it
+
+    def ranks() -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            cmdline = process.info["cmdline"] or []
+            if "--worker" in cmdline and marker in cmdline and "accelerate.commands.launch" not in cmdline:
+                found.append(process)
+        return found
+
+    seen, done = set(), threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.update(process.pid for process in ranks())
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(step_overhead.LaunchFailed, match="timed out") as failure:
+            step_overhead.run(["--steps", marker, "--repeats", "1", "--timeout-s", "20"], env=LAUNCH_ENV)
+    finally:
+        done.set()
+        watcher.join()
+    assert time.monotonic() - started < 60
+    assert len(seen) >= 2, "the ranks had started before the timeout"
+    time.sleep(1)
+    assert ranks() == [], "a rank outlived its timed-out launch"
+    assert str(failure.value).count("\n") > 1, "the stderr captured before the kill"
