@@ -330,12 +330,9 @@ def test_ranks_that_saved_and_stopped_on_a_signal_are_requeued_and_a_finished_ru
     assert not for_good or "not requeued: " in run.stdout
 
 
-def test_ranks_the_time_limits_signal_cannot_reach_in_time_are_requeued_at_once(tmp_path):
-    """A controller slow to create the signalling step held the save past the time limit, and a TIMEOUT is never
-    requeued: when srun cannot signal the ranks (timeout's 124 here), the job is requeued at once."""
-    job = f"test{os.getpid()}slowstep"
-    env = fake_slurm(tmp_path, f"touch {tmp_path}/started; sleep 3; exit 0", SLURM_JOB_ID=job,
-                     SLURM_JOB_NUM_NODES="1", FAKE_OVERLAP_FAILS="1")  # fmt: skip
+def usr1_once_started(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """The 1-node script run with fake Slurm, sent the time limit's USR1 once its training stand-in touched
+    tmp_path/started; returns the ended script and its output."""
     script = subprocess.Popen(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.time() + 30
@@ -343,6 +340,16 @@ def test_ranks_the_time_limits_signal_cannot_reach_in_time_are_requeued_at_once(
         time.sleep(0.05)
     script.send_signal(signal.SIGUSR1)
     out, _ = script.communicate(timeout=60)
+    return script, out
+
+
+def test_ranks_the_time_limits_signal_cannot_reach_in_time_are_requeued_at_once(tmp_path):
+    """A controller slow to create the signalling step held the save past the time limit, and a TIMEOUT is never
+    requeued: when srun cannot signal the ranks (timeout's 124 here), the job is requeued at once."""
+    job = f"test{os.getpid()}slowstep"
+    env = fake_slurm(tmp_path, f"touch {tmp_path}/started; sleep 3; exit 0", SLURM_JOB_ID=job,
+                     SLURM_JOB_NUM_NODES="1", FAKE_OVERLAP_FAILS="1")  # fmt: skip
+    script, out = usr1_once_started(tmp_path, env)
     assert "could not signal the ranks (srun: exit 124): requeueing job" in out and requeued(tmp_path) == [job], out
 
 
@@ -353,13 +360,7 @@ def test_the_time_limits_signal_requeues_a_saved_run_only(tmp_path, code, should
     job = f"test{os.getpid()}usr1{code}"
     env = fake_slurm(tmp_path, f"touch {tmp_path}/started; sleep 3; exit {code}", SLURM_JOB_ID=job,
                      SLURM_JOB_NUM_NODES="1")  # fmt: skip
-    script = subprocess.Popen(["bash", "scripts/slurm/llama70b_1x8.sbatch"], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.time() + 30
-    while not (tmp_path / "started").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    script.send_signal(signal.SIGUSR1)
-    out, _ = script.communicate(timeout=60)
+    script, out = usr1_once_started(tmp_path, env)
     assert script.returncode == code, "the job ends with the ranks' code (not wait's 138 for the signal)"
     assert "time limit near: asking every rank to save" in out
     assert requeued(tmp_path) == ([job] if should_requeue else []), out
